@@ -1,0 +1,376 @@
+//! The magics-only kernel (`gpu-magics`): answers every request itself.
+//!
+//! Shell requests are handled one at a time on the main task; control runs on its own task so
+//! interrupt and shutdown arrive while a magic runs. Magics run on blocking threads
+//! ([`exec::run_magic`]).
+
+pub mod exec;
+pub mod history;
+pub mod replies;
+
+use crate::magics::{cell, CancelToken, GpuState, Registry};
+use crate::server::{spawn_heartbeat, spawn_iopub, Channels, Iopub};
+use crate::wire::{Parent, RawMessage, Session, Signer};
+use exec::{Engine, IopubSink};
+use history::History;
+use jupyter_protocol::ConnectionInfo;
+use serde_json::{json, Value};
+use std::sync::{Arc, Mutex, PoisonError};
+use tokio::sync::mpsc;
+use zeromq::{RouterSendHalf, SocketRecv, SocketSend, ZmqMessage};
+
+/// State shared by the shell and control tasks.
+#[derive(Default)]
+struct State {
+    execution_count: u64,
+    history: History,
+    /// The running execution's token, for interrupts.
+    running: Option<CancelToken>,
+}
+
+pub struct Kernel {
+    session: Arc<Session>,
+    iopub: Iopub,
+    engine: Arc<Engine>,
+    state: Mutex<State>,
+}
+
+impl Kernel {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn status(&self, parent: &Parent, state: &str) {
+        self.iopub.send(self.session.iopub(
+            Some(parent),
+            "status",
+            &json!({"execution_state": state}),
+        ));
+    }
+
+    /// Interrupts the running magic, if any.
+    pub fn interrupt(&self) {
+        if let Some(token) = &self.state().running {
+            tracing::info!("interrupting the running magic");
+            token.cancel();
+        }
+    }
+}
+
+/// Receives, verifies and parses; a bad message is logged and dropped (the loop goes on).
+fn accept(session: &Session, channel: &str, frames: ZmqMessage) -> Option<(RawMessage, String)> {
+    let msg = match RawMessage::from_zmq(frames) {
+        Ok(msg) => msg,
+        Err(e) => {
+            tracing::warn!("{channel}: dropped a malformed message: {e}");
+            return None;
+        }
+    };
+    if let Err(e) = session.verify(&msg) {
+        tracing::warn!("{channel}: dropped a message with a bad signature: {e}");
+        return None;
+    }
+    match msg.msg_type() {
+        Ok(t) => Some((msg, t)),
+        Err(e) => {
+            tracing::warn!("{channel}: dropped a message: {e}");
+            None
+        }
+    }
+}
+
+async fn send(socket: &mut RouterSendHalf, message: ZmqMessage) {
+    // A client may vanish between request and reply; that must not end the loop.
+    if let Err(e) = socket.send(message).await {
+        tracing::warn!("reply not delivered: {e}");
+    }
+}
+
+/// Runs the magics-only kernel until a shutdown_request.
+pub async fn run(info: ConnectionInfo) -> anyhow::Result<()> {
+    let signer = Signer::new(&info.signature_scheme, &info.key)?;
+    let session = Arc::new(Session::new(signer));
+    let channels = Channels::bind(&info).await?;
+    let iopub = spawn_iopub(channels.iopub, session.clone());
+    spawn_heartbeat(channels.heartbeat);
+    // stdin stays bound so clients can connect; no magic asks for input.
+    let _stdin = channels.stdin;
+
+    let kernel = Arc::new(Kernel {
+        session,
+        iopub,
+        engine: Arc::new(Engine {
+            registry: Registry::new(),
+            gpu: GpuState::new(),
+        }),
+        state: Mutex::new(State::default()),
+    });
+    tracing::info!("gpukernel (magics-only) listening on {}", info.shell_url());
+
+    let (shutdown_tx, mut shutdown_rx) = mpsc::channel::<()>(1);
+    let (control_send, mut control_recv) = channels.control.split();
+    let control_kernel = kernel.clone();
+    tokio::spawn(async move {
+        let mut reply = control_send;
+        loop {
+            let frames = match control_recv.recv().await {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::debug!("control receive: {e}");
+                    continue;
+                }
+            };
+            let Some((msg, msg_type)) = accept(&control_kernel.session, "control", frames) else {
+                continue;
+            };
+            let parent = Parent::of(&msg);
+            control_kernel.status(&parent, "busy");
+            let stop = handle_control(&control_kernel, &mut reply, &msg, &msg_type, &parent).await;
+            control_kernel.status(&parent, "idle");
+            if stop {
+                let _ = shutdown_tx.send(()).await;
+            }
+        }
+    });
+
+    let interrupt_kernel = kernel.clone();
+    tokio::spawn(async move {
+        // interrupt_mode "signal" clients send SIGINT; treat it like interrupt_request.
+        let Ok(mut sigint) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        else {
+            return;
+        };
+        while sigint.recv().await.is_some() {
+            interrupt_kernel.interrupt();
+        }
+    });
+
+    let (mut shell_send, mut shell_recv) = channels.shell.split();
+    loop {
+        tokio::select! {
+            _ = shutdown_rx.recv() => break,
+            received = shell_recv.recv() => {
+                let frames = match received {
+                    Ok(f) => f,
+                    Err(e) => { tracing::debug!("shell receive: {e}"); continue; }
+                };
+                let Some((msg, msg_type)) = accept(&kernel.session, "shell", frames) else { continue };
+                let parent = Parent::of(&msg);
+                kernel.status(&parent, "busy");
+                let stop = handle_shell(&kernel, &mut shell_send, &msg, &msg_type, &parent).await;
+                kernel.status(&parent, "idle");
+                if stop { break; }
+            }
+        }
+    }
+    kernel.interrupt();
+    // Let iopub drain the final idle before the process ends.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    tracing::info!("shutting down");
+    Ok(())
+}
+
+/// Returns true when the kernel should exit.
+async fn handle_control(
+    kernel: &Arc<Kernel>,
+    socket: &mut RouterSendHalf,
+    msg: &RawMessage,
+    msg_type: &str,
+    parent: &Parent,
+) -> bool {
+    let session = &kernel.session;
+    match msg_type {
+        "kernel_info_request" => {
+            send(
+                socket,
+                session.reply(parent, "kernel_info_reply", &replies::kernel_info()),
+            )
+            .await;
+        }
+        "interrupt_request" => {
+            kernel.interrupt();
+            send(
+                socket,
+                session.reply(parent, "interrupt_reply", &json!({"status": "ok"})),
+            )
+            .await;
+        }
+        "shutdown_request" => {
+            let restart = content_bool(msg, "restart");
+            send(
+                socket,
+                session.reply(
+                    parent,
+                    "shutdown_reply",
+                    &json!({"status": "ok", "restart": restart}),
+                ),
+            )
+            .await;
+            return true;
+        }
+        "usage_request" => {
+            send(
+                socket,
+                session.reply(parent, "usage_reply", &replies::usage()),
+            )
+            .await;
+        }
+        other => tracing::info!("control: ignoring {other}"),
+    }
+    false
+}
+
+fn content_bool(msg: &RawMessage, key: &str) -> bool {
+    msg.content_json()
+        .ok()
+        .and_then(|c| c.get(key).and_then(Value::as_bool))
+        .unwrap_or(false)
+}
+
+async fn handle_shell(
+    kernel: &Arc<Kernel>,
+    socket: &mut RouterSendHalf,
+    msg: &RawMessage,
+    msg_type: &str,
+    parent: &Parent,
+) -> bool {
+    let session = &kernel.session;
+    let content = match msg.content_json() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("shell: {msg_type} with bad content: {e}");
+            return false;
+        }
+    };
+    let registry = &kernel.engine.registry;
+    let code = content.get("code").and_then(Value::as_str).unwrap_or("");
+    let cursor = content
+        .get("cursor_pos")
+        .and_then(Value::as_u64)
+        .map(|c| c as usize)
+        .unwrap_or_else(|| code.chars().count());
+    let reply = match msg_type {
+        "kernel_info_request" => replies::kernel_info(),
+        "execute_request" => execute(kernel, &content, parent).await,
+        "complete_request" => replies::complete(registry, code, cursor),
+        "inspect_request" => replies::inspect(registry, code, cursor),
+        "is_complete_request" => replies::is_complete(registry, code),
+        "history_request" => {
+            json!({"status": "ok", "history": kernel.state().history.query(&content)})
+        }
+        "comm_info_request" => json!({"status": "ok", "comms": {}}),
+        "comm_open" => {
+            // No comm targets here: close it so the frontend does not wait (as ipykernel does).
+            let id = content.get("comm_id").cloned().unwrap_or(Value::Null);
+            kernel.iopub.send(session.iopub(
+                Some(parent),
+                "comm_close",
+                &json!({"comm_id": id, "data": {}}),
+            ));
+            return false;
+        }
+        "comm_msg" | "comm_close" => return false,
+        "shutdown_request" => {
+            let restart = content
+                .get("restart")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            send(
+                socket,
+                session.reply(
+                    parent,
+                    "shutdown_reply",
+                    &json!({"status": "ok", "restart": restart}),
+                ),
+            )
+            .await;
+            return true;
+        }
+        other => {
+            tracing::info!("shell: ignoring unsupported {other}");
+            return false;
+        }
+    };
+    let reply_type = msg_type.replace("_request", "_reply");
+    send(socket, session.reply(parent, &reply_type, &reply)).await;
+    false
+}
+
+/// execute_request in magics-only mode: every non-blank, non-comment line must be a magic.
+async fn execute(kernel: &Arc<Kernel>, content: &Value, parent: &Parent) -> Value {
+    let code = content.get("code").and_then(Value::as_str).unwrap_or("");
+    let silent = content
+        .get("silent")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let store_history = !silent
+        && content
+            .get("store_history")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+    let cancel = CancelToken::new();
+    let count = {
+        let mut state = kernel.state();
+        if store_history {
+            state.execution_count += 1;
+        }
+        state.running = Some(cancel.clone());
+        state.execution_count
+    };
+    if !silent {
+        kernel.iopub.send(kernel.session.iopub(
+            Some(parent),
+            "execute_input",
+            &json!({"code": code, "execution_count": count}),
+        ));
+    }
+    let sink = Arc::new(IopubSink::new(
+        kernel.session.clone(),
+        kernel.iopub.clone(),
+        parent.clone(),
+        silent,
+        count,
+    ));
+    let registry = &kernel.engine.registry;
+    let mut outcome = Ok(());
+    for segment in cell::split(code, |name| registry.is_ours(name)) {
+        let result = match segment {
+            cell::Segment::Magic(line) => {
+                exec::run_magic(kernel.engine.clone(), line, sink.clone(), cancel.clone()).await
+            }
+            cell::Segment::Other(text) => replies::not_a_magic(registry, &text),
+        };
+        if let Err(e) = result {
+            sink.error(&e);
+            outcome = Err(e);
+            break;
+        }
+    }
+    let pages = sink.take_pages();
+    {
+        let mut state = kernel.state();
+        state.running = None;
+        if store_history {
+            state.history.record(count, code, sink.take_text());
+        }
+    }
+    let user_expressions = replies::user_expressions(content);
+    match outcome {
+        Ok(()) => json!({
+            "status": "ok",
+            "execution_count": count,
+            "user_expressions": user_expressions,
+            "payload": pages.into_iter().map(|data| json!({"source": "page", "data": data, "start": 0})).collect::<Vec<_>>(),
+        }),
+        Err(e) => json!({
+            "status": "error",
+            "execution_count": count,
+            "ename": e.ename,
+            "evalue": e.evalue,
+            "traceback": e.traceback,
+            "user_expressions": user_expressions,
+            "payload": [],
+        }),
+    }
+}

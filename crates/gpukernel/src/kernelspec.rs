@@ -1,0 +1,195 @@
+//! `gpukernel install` / `uninstall`: writing kernel.json (+ logos) under `kernels/<name>`.
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+const MAGICS_TEMPLATE: &str = include_str!("../../../kernelspec/gpu-magics/kernel.json");
+const LOGOS: [(&str, &[u8]); 3] = [
+    (
+        "logo-32x32.png",
+        include_bytes!("../../../kernelspec/logo-32x32.png"),
+    ),
+    (
+        "logo-64x64.png",
+        include_bytes!("../../../kernelspec/logo-64x64.png"),
+    ),
+    (
+        "logo-svg.svg",
+        include_bytes!("../../../kernelspec/logo-svg.svg"),
+    ),
+];
+
+pub const MAGICS_NAME: &str = "gpu-magics";
+
+/// Where kernelspecs go, as `jupyter kernelspec install` names it.
+#[derive(Debug, Clone)]
+pub enum Location {
+    /// `$JUPYTER_DATA_DIR` or `~/.local/share/jupyter`.
+    User,
+    /// The active Python environment (`$VIRTUAL_ENV`, `$CONDA_PREFIX`, else python3's prefix).
+    SysPrefix,
+    Prefix(PathBuf),
+}
+
+impl Location {
+    /// The `kernels` directory for this location.
+    pub fn kernels_dir(&self) -> Result<PathBuf> {
+        let data_dir = match self {
+            Location::User => match std::env::var_os("JUPYTER_DATA_DIR") {
+                Some(dir) => PathBuf::from(dir),
+                None => {
+                    let home = std::env::var_os("HOME")
+                        .context("HOME is not set; pass --prefix DIR instead")?;
+                    PathBuf::from(home).join(".local/share/jupyter")
+                }
+            },
+            Location::SysPrefix => python_prefix()?.join("share/jupyter"),
+            Location::Prefix(dir) => dir.join("share/jupyter"),
+        };
+        Ok(data_dir.join("kernels"))
+    }
+}
+
+fn python_prefix() -> Result<PathBuf> {
+    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        if let Some(dir) = std::env::var_os(var).filter(|d| !d.is_empty()) {
+            return Ok(PathBuf::from(dir));
+        }
+    }
+    let out = std::process::Command::new("python3")
+        .args(["-c", "import sys; print(sys.prefix)"])
+        .output()
+        .context("--sys-prefix needs python3 on PATH (or VIRTUAL_ENV / CONDA_PREFIX set)")?;
+    if !out.status.success() {
+        bail!("python3 could not report sys.prefix");
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// What to install.
+pub struct Spec {
+    pub name: String,
+    pub display_name: Option<String>,
+}
+
+/// Builds kernel.json from the template, pointing argv at `binary`.
+pub fn render(binary: &Path, display_name: Option<&str>) -> Result<Value> {
+    let mut spec: Value = serde_json::from_str(MAGICS_TEMPLATE).context("kernelspec template")?;
+    let binary = binary
+        .to_str()
+        .context("the gpukernel path is not valid UTF-8")?;
+    if let Some(argv) = spec.get_mut("argv").and_then(Value::as_array_mut) {
+        for arg in argv.iter_mut() {
+            if arg == "{gpukernel}" {
+                *arg = Value::String(binary.to_string());
+            }
+        }
+    }
+    if let Some(name) = display_name {
+        spec["display_name"] = Value::String(name.to_string());
+    }
+    Ok(spec)
+}
+
+fn check_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && !name.starts_with('.');
+    if !ok {
+        bail!("kernel name {name:?} is not valid: use letters, digits, '-', '_' and '.'");
+    }
+    Ok(())
+}
+
+/// Writes `kernels/<name>/kernel.json` and the logos; returns the directory.
+pub fn install(location: &Location, spec: &Spec) -> Result<PathBuf> {
+    check_name(&spec.name)?;
+    let binary = std::env::current_exe()
+        .and_then(fs::canonicalize)
+        .context("cannot find the gpukernel binary's own path")?;
+    let dir = location.kernels_dir()?.join(&spec.name);
+    fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let json = render(&binary, spec.display_name.as_deref())?;
+    let text = serde_json::to_string_pretty(&json)? + "\n";
+    fs::write(dir.join("kernel.json"), text)
+        .with_context(|| format!("cannot write {}", dir.join("kernel.json").display()))?;
+    for (file, bytes) in LOGOS {
+        fs::write(dir.join(file), bytes)
+            .with_context(|| format!("cannot write {}", dir.join(file).display()))?;
+    }
+    Ok(dir)
+}
+
+/// Removes `kernels/<name>`; an error if it is not there or is not ours.
+pub fn uninstall(location: &Location, name: &str) -> Result<PathBuf> {
+    check_name(name)?;
+    let dir = location.kernels_dir()?.join(name);
+    let spec = dir.join("kernel.json");
+    let text = fs::read_to_string(&spec)
+        .with_context(|| format!("no kernelspec {name:?} at {}", dir.display()))?;
+    let json: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    let ours = json["argv"]
+        .get(0)
+        .and_then(Value::as_str)
+        .and_then(|bin| Path::new(bin).file_name()?.to_str())
+        .is_some_and(|file| file.starts_with("gpukernel"));
+    if !ours {
+        bail!(
+            "{} is not a gpukernel kernelspec; remove it with `jupyter kernelspec remove {name}`",
+            dir.display()
+        );
+    }
+    fs::remove_dir_all(&dir).with_context(|| format!("cannot remove {}", dir.display()))?;
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn install_then_uninstall_in_a_prefix() {
+        let tmp = tempfile::tempdir().unwrap();
+        let location = Location::Prefix(tmp.path().to_path_buf());
+        let spec = Spec {
+            name: MAGICS_NAME.into(),
+            display_name: Some("My GPUs".into()),
+        };
+        let dir = install(&location, &spec).unwrap();
+        assert_eq!(dir, tmp.path().join("share/jupyter/kernels/gpu-magics"));
+        let json: Value =
+            serde_json::from_str(&fs::read_to_string(dir.join("kernel.json")).unwrap()).unwrap();
+        assert_eq!(json["display_name"], "My GPUs");
+        assert_eq!(json["argv"][1], "run");
+        assert_eq!(json["argv"][2], "--magics-only");
+        assert_eq!(json["argv"][4], "{connection_file}");
+        assert!(dir.join("logo-64x64.png").exists());
+        uninstall(&location, "gpu-magics").unwrap();
+        assert!(!dir.exists());
+        assert!(uninstall(&location, "gpu-magics").is_err());
+    }
+
+    #[test]
+    fn refuses_bad_names_and_foreign_specs() {
+        let tmp = tempfile::tempdir().unwrap();
+        let location = Location::Prefix(tmp.path().to_path_buf());
+        let bad = Spec {
+            name: "../x".into(),
+            display_name: None,
+        };
+        assert!(install(&location, &bad).is_err());
+        let foreign = tmp.path().join("share/jupyter/kernels/python3");
+        fs::create_dir_all(&foreign).unwrap();
+        fs::write(
+            foreign.join("kernel.json"),
+            r#"{"argv":["python","-m","ipykernel"]}"#,
+        )
+        .unwrap();
+        assert!(uninstall(&location, "python3").is_err());
+        assert!(foreign.exists());
+    }
+}

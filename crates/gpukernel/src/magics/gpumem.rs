@@ -1,0 +1,326 @@
+//! `%gpumem`: memory per GPU and per process, read through NVML (no CUDA context needed).
+
+use super::{bundle, html_escape, parse_args, Bundle, Magic, MagicContext, MagicError, Output};
+use clap::{CommandFactory, Parser};
+use gpuprobe::units::human_bytes;
+use gpuprobe::{GpuSnapshot, ProbeError};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// GPU memory per device and per process (NVML).
+#[derive(Parser, Debug)]
+#[command(name = "%gpumem", disable_version_flag = true)]
+struct Args {
+    /// Return the figures as JSON (the cell's value) for scripts.
+    #[arg(long, conflicts_with = "watch")]
+    json: bool,
+    /// Keep a live gauge updating every SECONDS (default 2) until interrupted.
+    #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2",
+          value_parser = parse_interval)]
+    watch: Option<f64>,
+    /// With --watch: stop after N updates instead of at an interrupt.
+    #[arg(long, value_name = "N", requires = "watch")]
+    count: Option<u64>,
+}
+
+fn parse_interval(text: &str) -> Result<f64, String> {
+    let seconds: f64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number of seconds"))?;
+    if !(0.1..=3600.0).contains(&seconds) {
+        return Err(format!("{seconds} s is outside 0.1..3600"));
+    }
+    Ok(seconds)
+}
+
+pub struct GpuMem;
+
+impl Magic for GpuMem {
+    fn name(&self) -> &'static str {
+        "gpumem"
+    }
+
+    fn summary(&self) -> &'static str {
+        "GPU memory per device and per process (NVML); --json for scripts, --watch for a live gauge."
+    }
+
+    fn command(&self) -> clap::Command {
+        Args::command()
+    }
+
+    fn run(&self, argv: Vec<String>, ctx: &MagicContext) -> Result<(), MagicError> {
+        let Some(args) = parse_args::<Args>(argv, ctx)? else {
+            return Ok(());
+        };
+        let snapshot = ctx.gpu.snapshot();
+        if args.json {
+            ctx.out.emit(Output::Result {
+                data: json_bundle(&snapshot),
+            });
+            return Ok(());
+        }
+        let Some(interval) = args.watch else {
+            ctx.out.emit(Output::Display {
+                data: render(&snapshot),
+                display_id: None,
+            });
+            return Ok(());
+        };
+        let display_id = format!("gpumem-watch-{}", uuid::Uuid::new_v4());
+        ctx.out.emit(Output::Display {
+            data: render(&snapshot),
+            display_id: Some(display_id.clone()),
+        });
+        let mut updates = 1;
+        while args.count.is_none_or(|n| updates < n) {
+            if !ctx.cancel.sleep(Duration::from_secs_f64(interval)) {
+                return Err(MagicError::interrupted());
+            }
+            ctx.out.emit(Output::Update {
+                data: render(&ctx.gpu.snapshot()),
+                display_id: display_id.clone(),
+            });
+            updates += 1;
+        }
+        Ok(())
+    }
+}
+
+fn json_bundle(snapshot: &Result<GpuSnapshot, ProbeError>) -> Bundle {
+    let value = match snapshot {
+        Ok(s) => {
+            let mut v = serde_json::to_value(s).unwrap_or(Value::Null);
+            if let Some(map) = v.as_object_mut() {
+                map.insert("available".into(), Value::Bool(true));
+            }
+            v
+        }
+        Err(e) => json!({"available": false, "reason": e.to_string()}),
+    };
+    let mut data = bundle(
+        serde_json::to_string_pretty(&value).unwrap_or_default(),
+        None,
+    );
+    data.insert("application/json".into(), value);
+    data
+}
+
+/// What to say when there is nothing to show.
+fn unavailable_text(err: &ProbeError) -> String {
+    match err {
+        ProbeError::NoDriver(why) => format!(
+            "No NVIDIA GPU is visible here: {why}.\n\
+             %gpumem reads GPU memory through the NVIDIA driver (NVML); run it on a machine \
+             with an NVIDIA GPU and driver."
+        ),
+        other => format!("Could not read GPU memory: {other}."),
+    }
+}
+
+fn truncate(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_string();
+    }
+    let mut cut: String = text.chars().take(max - 1).collect();
+    cut.push('…');
+    cut
+}
+
+fn percent(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        100.0 * part as f64 / whole as f64
+    }
+}
+
+/// Text and HTML tables of a snapshot.
+pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>) -> Bundle {
+    let snapshot = match snapshot {
+        Ok(s) => s,
+        Err(e) => {
+            let text = unavailable_text(e);
+            let html = format!("<pre>{}</pre>", html_escape(&text));
+            return bundle(text, Some(html));
+        }
+    };
+    if snapshot.gpus.is_empty() {
+        let text = format!(
+            "The NVIDIA driver ({}) sees no GPU here.",
+            snapshot.driver_version
+        );
+        let html = format!("<pre>{}</pre>", html_escape(&text));
+        return bundle(text, Some(html));
+    }
+    let me = std::process::id();
+    let mut text = format!(
+        "{:>3}  {:<24} {:>10} {:>10} {:>10} {:>5}\n",
+        "GPU", "name", "used", "free", "total", "util"
+    );
+    let mut html = String::from(
+        "<table><thead><tr><th>GPU</th><th style=\"text-align:left\">name</th><th>used</th>\
+         <th style=\"text-align:left\">memory</th><th>free</th><th>total</th><th>util</th></tr>\
+         </thead><tbody>",
+    );
+    for gpu in &snapshot.gpus {
+        let util = gpu
+            .utilization_gpu
+            .map(|u| format!("{u}%"))
+            .unwrap_or_else(|| "n/a".into());
+        text.push_str(&format!(
+            "{:>3}  {:<24} {:>10} {:>10} {:>10} {:>5}\n",
+            gpu.index,
+            truncate(&gpu.name, 24),
+            human_bytes(gpu.memory_used),
+            human_bytes(gpu.memory_free),
+            human_bytes(gpu.memory_total),
+            util
+        ));
+        let used_pct = percent(gpu.memory_used, gpu.memory_total);
+        html.push_str(&format!(
+            "<tr><td>{}</td><td style=\"text-align:left\">{}</td><td>{}</td>\
+             <td style=\"text-align:left\"><div style=\"width:12em;background:#ddd;height:0.9em\">\
+             <div style=\"width:{used_pct:.1}%;background:{};height:100%\"></div></div></td>\
+             <td>{}</td><td>{}</td><td>{}</td></tr>",
+            gpu.index,
+            html_escape(&gpu.name),
+            human_bytes(gpu.memory_used),
+            if used_pct > 90.0 {
+                "#d9534f"
+            } else {
+                "#5cb85c"
+            },
+            human_bytes(gpu.memory_free),
+            human_bytes(gpu.memory_total),
+            util
+        ));
+    }
+    html.push_str("</tbody></table>");
+
+    let processes: Vec<_> = snapshot
+        .gpus
+        .iter()
+        .flat_map(|g| g.processes.iter().map(move |p| (g.index, p)))
+        .collect();
+    if processes.is_empty() {
+        text.push_str("\nNo process holds GPU memory.\n");
+        html.push_str("<p>No process holds GPU memory.</p>");
+    } else {
+        text.push_str(&format!(
+            "\n{:>3}  {:>8}  {:<10} {:>10}  command\n",
+            "GPU", "pid", "user", "memory"
+        ));
+        html.push_str(
+            "<table><thead><tr><th>GPU</th><th>pid</th><th style=\"text-align:left\">user</th>\
+             <th>memory</th><th style=\"text-align:left\">command</th></tr></thead><tbody>",
+        );
+        for (index, p) in processes {
+            let memory = p
+                .used_memory
+                .map(human_bytes)
+                .unwrap_or_else(|| "n/a".into());
+            let user = p.details.user.as_deref().unwrap_or("?");
+            let mut command = p
+                .details
+                .command
+                .clone()
+                .unwrap_or_else(|| "(not visible from here)".into());
+            if p.pid == me {
+                command = format!("(this gpukernel) {command}");
+            }
+            text.push_str(&format!(
+                "{index:>3}  {:>8}  {:<10} {:>10}  {}\n",
+                p.pid,
+                truncate(user, 10),
+                memory,
+                truncate(&command, 60)
+            ));
+            html.push_str(&format!(
+                "<tr><td>{index}</td><td>{}</td><td style=\"text-align:left\">{}</td><td>{}</td>\
+                 <td style=\"text-align:left\"><code>{}</code></td></tr>",
+                p.pid,
+                html_escape(user),
+                memory,
+                html_escape(&truncate(&command, 120))
+            ));
+        }
+        html.push_str("</tbody></table>");
+    }
+    let cuda = snapshot
+        .cuda_driver_version
+        .as_deref()
+        .map(|v| format!(", CUDA {v}"))
+        .unwrap_or_default();
+    text.push_str(&format!("\ndriver {}{cuda}\n", snapshot.driver_version));
+    html.push_str(&format!(
+        "<p style=\"font-size:smaller\">driver {}{}</p>",
+        html_escape(&snapshot.driver_version),
+        html_escape(&cuda)
+    ));
+    bundle(text, Some(html))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuprobe::process::ProcessDetails;
+    use gpuprobe::{GpuInfo, GpuProcess};
+
+    fn snapshot() -> GpuSnapshot {
+        GpuSnapshot {
+            driver_version: "580.1".into(),
+            cuda_driver_version: Some("13.0".into()),
+            gpus: vec![GpuInfo {
+                index: 0,
+                name: "NVIDIA H200".into(),
+                uuid: "GPU-1".into(),
+                pci_bus_id: "00000000:01:00.0".into(),
+                memory_used: 10 << 30,
+                memory_free: 130 << 30,
+                memory_total: 140 << 30,
+                utilization_gpu: Some(45),
+                processes: vec![GpuProcess {
+                    pid: std::process::id(),
+                    used_memory: Some(9 << 30),
+                    details: ProcessDetails {
+                        user: Some("alice".into()),
+                        command: Some("python <train>.py".into()),
+                    },
+                }],
+            }],
+        }
+    }
+
+    #[test]
+    fn renders_gpus_and_processes() {
+        let data = render(&Ok(snapshot()));
+        let text = data["text/plain"].as_str().unwrap();
+        assert!(text.contains("NVIDIA H200"));
+        assert!(text.contains("10.0 GiB"));
+        assert!(text.contains("(this gpukernel)"));
+        assert!(text.contains("45%"));
+        let html = data["text/html"].as_str().unwrap();
+        assert!(html.contains("&lt;train&gt;"), "HTML is escaped");
+    }
+
+    #[test]
+    fn no_driver_is_a_message_not_an_error() {
+        let data = render(&Err(ProbeError::NoDriver(
+            "libnvidia-ml.so.1: not found".into(),
+        )));
+        let text = data["text/plain"].as_str().unwrap();
+        assert!(text.starts_with("No NVIDIA GPU is visible here"));
+        let json = json_bundle(&Err(ProbeError::NoDriver("x".into())));
+        assert_eq!(json["application/json"]["available"], false);
+    }
+
+    #[test]
+    fn json_carries_the_figures() {
+        let json = json_bundle(&Ok(snapshot()));
+        assert_eq!(
+            json["application/json"]["gpus"][0]["memory_total"],
+            140u64 << 30
+        );
+        assert_eq!(json["application/json"]["available"], true);
+    }
+}

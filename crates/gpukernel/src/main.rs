@@ -1,0 +1,211 @@
+//! gpukernel: a Jupyter kernel with GPU-memory magics.
+//!
+//! Layout (data flows one way): `wire` (frames, signing) -> `server` (sockets) -> `kernel`
+//! (what each request means) -> `magics` (parse args -> gpuprobe -> outputs) -> back out
+//! through `kernel::exec`, the only module that knows both magics and messages.
+
+mod kernel;
+mod kernelspec;
+mod magics;
+mod server;
+mod wire;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "gpukernel",
+    version,
+    about = "A Jupyter kernel with GPU-memory magics (%gpumem, %gpuhelp), answered in-process.",
+    long_about = "A Jupyter kernel with GPU-memory magics (%gpumem, %gpuhelp), answered in-process \
+                  through NVML.\n\nInstall the kernelspec once with `gpukernel install`, then pick \
+                  \"GPU magics\" in Jupyter. `gpukernel info` shows what this build sees."
+)]
+struct Cli {
+    /// More log output on stderr (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the kernel (Jupyter starts this from kernel.json).
+    Run {
+        /// The connection file written by the Jupyter client.
+        #[arg(short = 'f', long = "connection-file", value_name = "FILE")]
+        connection_file: PathBuf,
+        /// Answer magics only, with no Python kernel behind (the `gpu-magics` kernelspec).
+        #[arg(long)]
+        magics_only: bool,
+    },
+    /// Install the kernelspec so Jupyter lists this kernel.
+    Install {
+        #[command(flatten)]
+        location: LocationArgs,
+        /// Kernelspec name (directory under kernels/).
+        #[arg(long)]
+        name: Option<String>,
+        /// Name shown in Jupyter's launcher.
+        #[arg(long)]
+        display_name: Option<String>,
+        /// Install the magics-only kernel (`gpu-magics`).
+        #[arg(long)]
+        magics_only: bool,
+    },
+    /// Remove a kernelspec installed by `gpukernel install`.
+    Uninstall {
+        #[command(flatten)]
+        location: LocationArgs,
+        /// Kernelspec name to remove.
+        #[arg(long, default_value = kernelspec::MAGICS_NAME)]
+        name: String,
+    },
+    /// Show what this build sees: GPUs through NVML and, in torch builds, libtorch and CUDA.
+    Info {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args, Debug)]
+#[group(multiple = false)]
+struct LocationArgs {
+    /// Under the user's Jupyter data dir (the default).
+    #[arg(long)]
+    user: bool,
+    /// Under the active Python environment's prefix.
+    #[arg(long)]
+    sys_prefix: bool,
+    /// Under DIR/share/jupyter/kernels.
+    #[arg(long, value_name = "DIR")]
+    prefix: Option<PathBuf>,
+}
+
+impl LocationArgs {
+    fn location(&self) -> kernelspec::Location {
+        match (&self.prefix, self.sys_prefix) {
+            (Some(dir), _) => kernelspec::Location::Prefix(dir.clone()),
+            (None, true) => kernelspec::Location::SysPrefix,
+            (None, false) => kernelspec::Location::User,
+        }
+    }
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    match cli.command {
+        Command::Run {
+            connection_file,
+            magics_only,
+        } => {
+            if !magics_only {
+                anyhow::bail!(
+                    "this version of gpukernel runs only the magics-only kernel: pass --magics-only \
+                     (the Python proxy kernel, gpu-python, is not part of this build yet)"
+                );
+            }
+            let info = server::read_connection_file(&connection_file)?;
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .context("cannot start the async runtime")?;
+            runtime.block_on(kernel::run(info))?;
+            // Magics may still be blocked in C on worker threads; do not wait for them.
+            std::process::exit(0);
+        }
+        Command::Install {
+            location,
+            name,
+            display_name,
+            magics_only,
+        } => {
+            if !magics_only {
+                anyhow::bail!(
+                    "only the magics-only kernelspec can be installed by this version: \
+                     pass --magics-only"
+                );
+            }
+            let spec = kernelspec::Spec {
+                name: name.unwrap_or_else(|| kernelspec::MAGICS_NAME.to_string()),
+                display_name,
+            };
+            let dir = kernelspec::install(&location.location(), &spec)?;
+            println!("Installed kernelspec {} in {}", spec.name, dir.display());
+        }
+        Command::Uninstall { location, name } => {
+            let dir = kernelspec::uninstall(&location.location(), &name)?;
+            println!("Removed kernelspec {name} from {}", dir.display());
+        }
+        Command::Info { json } => info(json),
+    }
+    Ok(())
+}
+
+/// `gpukernel info`: the build's features and what it sees on this machine.
+fn info(json: bool) {
+    let gpus = magics::GpuState::new().snapshot();
+    #[cfg(feature = "torch")]
+    let torch = Some(gpuprobe::torch::libtorch_info());
+    #[cfg(not(feature = "torch"))]
+    let torch: Option<()> = None;
+    if json {
+        let value = serde_json::json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "torch_feature": cfg!(feature = "torch"),
+            "nvml": match &gpus {
+                Ok(s) => serde_json::to_value(s).unwrap_or_default(),
+                Err(e) => serde_json::json!({"error": e.to_string()}),
+            },
+            "libtorch": torch,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&value).unwrap_or_default()
+        );
+        return;
+    }
+    println!("gpukernel {}", env!("CARGO_PKG_VERSION"));
+    match &gpus {
+        Ok(s) => {
+            println!("NVML: driver {}, {} GPU(s)", s.driver_version, s.gpus.len());
+            for g in &s.gpus {
+                println!(
+                    "  GPU {}: {} ({} total)",
+                    g.index,
+                    g.name,
+                    gpuprobe::units::human_bytes(g.memory_total)
+                );
+            }
+        }
+        Err(e) => println!("NVML: {e}"),
+    }
+    match torch {
+        #[cfg(feature = "torch")]
+        Some(t) => println!(
+            "libtorch: CUDA available: {}, CUDA devices: {}, cuDNN: {}",
+            t.cuda_available, t.cuda_device_count, t.cudnn_available
+        ),
+        _ => println!("libtorch: not in this build (build with --features torch)"),
+    }
+}

@@ -1,0 +1,81 @@
+//! Sockets of a kernel: binding them from a connection file, the iopub publisher and the
+//! heartbeat. Protocol plumbing only; what requests mean is decided elsewhere.
+
+mod heartbeat;
+mod iopub;
+
+pub use heartbeat::spawn_heartbeat;
+pub use iopub::{spawn_iopub, Iopub};
+
+use jupyter_protocol::ConnectionInfo;
+use thiserror::Error;
+use zeromq::{RepSocket, RouterSocket, Socket, XPubSocket};
+
+#[derive(Debug, Error)]
+pub enum ServerError {
+    #[error("cannot read connection file {path}: {source}")]
+    ConnectionFile {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("connection file {path} is not valid: {source}")]
+    ConnectionJson {
+        path: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("cannot bind the {channel} socket to {endpoint}: {source}")]
+    Bind {
+        channel: &'static str,
+        endpoint: String,
+        #[source]
+        source: zeromq::ZmqError,
+    },
+}
+
+/// Reads a kernel connection file (as written by jupyter_client).
+pub fn read_connection_file(path: &std::path::Path) -> Result<ConnectionInfo, ServerError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ServerError::ConnectionFile {
+        path: path.display().to_string(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|source| ServerError::ConnectionJson {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// The five kernel sockets, bound where the connection file says.
+pub struct Channels {
+    pub shell: RouterSocket,
+    pub control: RouterSocket,
+    pub stdin: RouterSocket,
+    pub iopub: XPubSocket,
+    pub heartbeat: RepSocket,
+}
+
+async fn bind<S: Socket>(channel: &'static str, endpoint: String) -> Result<S, ServerError> {
+    let mut socket = S::new();
+    socket
+        .bind(&endpoint)
+        .await
+        .map_err(|source| ServerError::Bind {
+            channel,
+            endpoint,
+            source,
+        })?;
+    Ok(socket)
+}
+
+impl Channels {
+    pub async fn bind(info: &ConnectionInfo) -> Result<Self, ServerError> {
+        Ok(Self {
+            shell: bind("shell", info.shell_url()).await?,
+            control: bind("control", info.control_url()).await?,
+            stdin: bind("stdin", info.stdin_url()).await?,
+            iopub: bind("iopub", info.iopub_url()).await?,
+            heartbeat: bind("heartbeat", info.hb_url()).await?,
+        })
+    }
+}

@@ -1,0 +1,110 @@
+use super::{RawMessage, Signer, WireError};
+use bytes::Bytes;
+use chrono::{SecondsFormat, Utc};
+use serde_json::{json, Value};
+use zeromq::ZmqMessage;
+
+/// What a reply needs from its request: where it came from and its header, kept as the raw
+/// bytes the client sent so the parent_header echoes it exactly.
+#[derive(Debug, Clone)]
+pub struct Parent {
+    pub identities: Vec<Bytes>,
+    pub header: Bytes,
+}
+
+impl Parent {
+    pub fn of(msg: &RawMessage) -> Self {
+        Self {
+            identities: msg.identities.clone(),
+            header: msg.header.clone(),
+        }
+    }
+}
+
+/// Builds and signs the messages this kernel originates.
+pub struct Session {
+    signer: Signer,
+    id: String,
+}
+
+pub const PROTOCOL_VERSION: &str = "5.3";
+
+impl Session {
+    pub fn new(signer: Signer) -> Self {
+        Self {
+            signer,
+            id: uuid::Uuid::new_v4().to_string(),
+        }
+    }
+
+    pub fn verify(&self, msg: &RawMessage) -> Result<(), WireError> {
+        msg.verify(&self.signer)
+    }
+
+    /// A reply on a ROUTER socket, addressed to the request's sender.
+    pub fn reply(&self, parent: &Parent, msg_type: &str, content: &Value) -> ZmqMessage {
+        self.build(parent.identities.clone(), Some(parent), msg_type, content)
+    }
+
+    /// An iopub message; the topic frame names the message type, as ipykernel does.
+    pub fn iopub(&self, parent: Option<&Parent>, msg_type: &str, content: &Value) -> ZmqMessage {
+        let topic = Bytes::from(format!("kernel.{}.{msg_type}", self.id));
+        self.build(vec![topic], parent, msg_type, content)
+    }
+
+    fn build(
+        &self,
+        identities: Vec<Bytes>,
+        parent: Option<&Parent>,
+        msg_type: &str,
+        content: &Value,
+    ) -> ZmqMessage {
+        let header = json!({
+            "msg_id": uuid::Uuid::new_v4().to_string(),
+            "session": self.id,
+            "username": "gpukernel",
+            "date": Utc::now().to_rfc3339_opts(SecondsFormat::Micros, true),
+            "msg_type": msg_type,
+            "version": PROTOCOL_VERSION,
+        });
+        let header = Bytes::from(header.to_string());
+        let parent_header = parent
+            .map(|p| p.header.clone())
+            .unwrap_or_else(|| Bytes::from_static(b"{}"));
+        let metadata = Bytes::from_static(b"{}");
+        let content = Bytes::from(content.to_string());
+        let signature = self
+            .signer
+            .sign([&header, &parent_header, &metadata, &content]);
+        RawMessage {
+            identities,
+            signature: Bytes::from(signature),
+            header,
+            parent_header,
+            metadata,
+            content,
+            buffers: Vec::new(),
+        }
+        .into_zmq()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_are_signed_and_carry_the_parent() {
+        let session = Session::new(Signer::new("hmac-sha256", "k").unwrap());
+        let parent = Parent {
+            identities: vec![Bytes::from_static(b"client")],
+            header: Bytes::from_static(b"{\"msg_id\":\"p\",\"msg_type\":\"kernel_info_request\"}"),
+        };
+        let reply = session.reply(&parent, "kernel_info_reply", &json!({"status": "ok"}));
+        let raw = RawMessage::from_zmq(reply).unwrap();
+        assert_eq!(raw.identities, parent.identities);
+        assert_eq!(raw.parent_header, parent.header);
+        assert_eq!(raw.msg_type().unwrap(), "kernel_info_reply");
+        session.verify(&raw).unwrap();
+    }
+}
