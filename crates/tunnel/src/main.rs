@@ -1,1 +1,6 @@
+mod cli;
+mod config;
+mod exit;
+mod known_hosts;
+
 fn main() {}

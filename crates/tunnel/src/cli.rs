@@ -1,0 +1,195 @@
+//! Command-line interface (clap derive).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::exit;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "tunnel",
+    version,
+    about = "One command from a laptop to a safe Jupyter notebook on a remote machine, over SSH",
+    long_about = "Starts Jupyter on a remote host bound to 127.0.0.1 with a fresh random token, \
+forwards a local port to it over the same SSH connection, prints the URL and opens the browser. \
+Ctrl-C stops the remote server and its kernels.",
+    after_help = exit::HELP
+)]
+pub struct Cli {
+    /// More progress detail on stderr (-v: debug, -vv: trace, including russh).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Start Jupyter on HOST and forward it to a local port; runs until Ctrl-C.
+    #[command(after_help = exit::HELP)]
+    Up(UpArgs),
+    /// Stop the tunnel to HOST started from another terminal (and its remote server).
+    #[command(after_help = exit::HELP)]
+    Down(DownArgs),
+    /// Show the running tunnels, or one of them in detail.
+    #[command(after_help = exit::HELP)]
+    Status(StatusArgs),
+    /// List the running tunnels, one per line.
+    #[command(after_help = exit::HELP)]
+    Ls(LsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    /// Host alias from the ssh config (or a host name), optionally as USER@HOST.
+    pub host: String,
+
+    /// ssh config file to read instead of ~/.ssh/config and /etc/ssh/ssh_config.
+    #[arg(short = 'F', long = "config", value_name = "CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// Python environment on the remote: a venv or conda prefix path, or a
+    /// conda/mamba/micromamba environment name.
+    #[arg(long, value_name = "ENV")]
+    pub env: Option<String>,
+
+    /// Shell command run on the remote before activating --env (e.g. "module load cuda").
+    #[arg(long, value_name = "CMD")]
+    pub init: Option<String>,
+
+    /// Remote directory Jupyter starts in (default: the remote home).
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<String>,
+
+    /// Local port to listen on (default: the remote port if free, else the next free one).
+    #[arg(long, value_name = "N")]
+    pub port: Option<u16>,
+
+    /// Which Jupyter application to start.
+    #[arg(long, value_enum, default_value_t = App::Lab)]
+    pub app: App,
+
+    /// Do not open a browser; just print the URL.
+    #[arg(long)]
+    pub no_browser: bool,
+
+    /// Accept and record the host key if the host is not yet in known_hosts
+    /// (a changed key is still refused).
+    #[arg(long)]
+    pub accept_new: bool,
+
+    /// Seconds the remote server waits for the client after the connection
+    /// vanishes without a goodbye, before it stops itself.
+    #[arg(long, value_name = "SECS", default_value_t = 120)]
+    pub linger: u64,
+
+    /// Seconds to wait for Jupyter to answer /api/status once launched.
+    #[arg(long, value_name = "SECS", default_value_t = 90)]
+    pub timeout: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct DownArgs {
+    /// Host alias given to `tunnel up`.
+    pub host: String,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Only this host alias.
+    pub host: Option<String>,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum App {
+    Lab,
+    Notebook,
+    Server,
+}
+
+impl App {
+    /// The `jupyter` subcommand that starts this app.
+    pub fn subcommand(self) -> &'static str {
+        match self {
+            App::Lab => "lab",
+            App::Notebook => "notebook",
+            App::Server => "server",
+        }
+    }
+
+    /// Path (below the server's base_url) the browser should land on.
+    pub fn landing_path(self) -> &'static str {
+        match self {
+            App::Lab => "lab",
+            App::Notebook => "tree",
+            App::Server => "",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn up_parses_all_options() {
+        let cli = Cli::try_parse_from([
+            "tunnel",
+            "-v",
+            "up",
+            "gpu",
+            "-F",
+            "/tmp/cfg",
+            "--env",
+            "torch",
+            "--init",
+            "module load cuda",
+            "--dir",
+            "~/work",
+            "--port",
+            "9999",
+            "--app",
+            "notebook",
+            "--no-browser",
+            "--accept-new",
+            "--linger",
+            "5",
+        ])
+        .expect("valid command line");
+        assert_eq!(cli.verbose, 1);
+        let Command::Up(up) = cli.command else {
+            panic!("expected up");
+        };
+        assert_eq!(up.host, "gpu");
+        assert_eq!(up.port, Some(9999));
+        assert_eq!(up.app, App::Notebook);
+        assert_eq!(up.linger, 5);
+        assert!(up.no_browser && up.accept_new);
+    }
+
+    #[test]
+    fn help_documents_exit_codes() {
+        let help = Cli::command().render_long_help().to_string();
+        assert!(help.contains("Exit codes:"));
+        assert!(help.contains("host key CHANGED"));
+    }
+}
