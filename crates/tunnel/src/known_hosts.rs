@@ -7,7 +7,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
@@ -348,17 +348,17 @@ pub fn line_text(at: &Location) -> Option<String> {
         .map(|l| l.trim().to_string())
 }
 
-/// Whether `path` is private to its owner (no group/other bits).
-pub fn is_private(path: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    fs::metadata(path)
-        .map(|m| m.permissions().mode() & 0o077 == 0)
-        .unwrap_or(false)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether `path` is private to its owner (no group/other bits).
+    fn is_private(path: &std::path::Path) -> bool {
+        use std::os::unix::fs::PermissionsExt;
+        fs::metadata(path)
+            .map(|m| m.permissions().mode() & 0o077 == 0)
+            .unwrap_or(false)
+    }
 
     // Generated with ssh-keygen; HASHED is `ssh-keygen -H` of "[gpu.example.org]:2222 K1".
     const K1: &str =

@@ -1,0 +1,469 @@
+//! Reaching the host: DNS, TCP, SSH handshake and host-key verification.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use russh::client;
+use russh::keys::ssh_key::PublicKey;
+use russh::keys::{Algorithm, PublicKeyOrCertificate};
+use tokio::net::TcpStream;
+
+use crate::config::{StrictHostKeyChecking, Target};
+use crate::exit::{Exit, HasExit};
+use crate::known_hosts::{self, KnownHosts, KnownHostsError, Location, Lookup};
+use crate::prompt;
+
+/// Used when the ssh config sets no ConnectTimeout (ssh would wait for the
+/// kernel's TCP timeout, minutes).
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
+/// Used when the ssh config sets no ServerAliveInterval: a dead link must be
+/// noticed, since the remote server is only stopped through this session.
+const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(15);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error(
+        "unknown host {alias:?}: no Host entry for it in the ssh config and it is not a \
+         resolvable host name ({detail})"
+    )]
+    UnknownAlias { alias: String, detail: String },
+    #[error("cannot resolve {host} (HostName of {alias}): {detail}")]
+    Dns {
+        alias: String,
+        host: String,
+        detail: String,
+    },
+    #[error("connection to {host} port {port} refused ({addr}): is sshd running there?")]
+    Refused {
+        host: String,
+        port: u16,
+        addr: SocketAddr,
+    },
+    #[error("cannot connect to {host} port {port}: {detail}")]
+    Unreachable {
+        host: String,
+        port: u16,
+        detail: String,
+    },
+    #[error("timed out after {}s {stage} {host} port {port}", timeout.as_secs())]
+    Timeout {
+        stage: &'static str,
+        host: String,
+        port: u16,
+        timeout: Duration,
+    },
+    #[error("{0}")]
+    HostKey(#[from] HostKeyError),
+    #[error("SSH handshake with {host} port {port} failed: {source}")]
+    Handshake {
+        host: String,
+        port: u16,
+        source: russh::Error,
+    },
+}
+
+impl HasExit for ConnectError {
+    fn exit(&self) -> Exit {
+        match self {
+            ConnectError::UnknownAlias { .. } => Exit::UnknownAlias,
+            ConnectError::Dns { .. } => Exit::Dns,
+            ConnectError::Refused { .. }
+            | ConnectError::Unreachable { .. }
+            | ConnectError::Handshake { .. } => Exit::Refused,
+            ConnectError::Timeout { .. } => Exit::Timeout,
+            ConnectError::HostKey(e) => e.exit(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HostKeyError {
+    #[error(
+        "HOST KEY CHANGED for {name}: refusing to connect (someone may be intercepting the \
+         connection, or the host was reinstalled).\n  \
+         server now offers: {key_type} {offered}\n  \
+         known_hosts has:   {recorded_type} {recorded} at {at}\n  \
+         {line}\n\
+         If the change is expected, remove the old entry (ssh-keygen -R '{name}{file_opt}') and retry."
+    )]
+    Changed {
+        name: String,
+        key_type: String,
+        offered: String,
+        recorded_type: String,
+        recorded: String,
+        at: Location,
+        line: String,
+        file_opt: String,
+    },
+    #[error("host key {key_type} {fingerprint} of {name} is marked @revoked at {at}: refusing to connect")]
+    Revoked {
+        name: String,
+        key_type: String,
+        fingerprint: String,
+        at: Location,
+    },
+    #[error(
+        "host {name} is not known: its {key_type} key fingerprint is {fingerprint}.\n\
+         {reason}. If this fingerprint is right, run again with --accept-new \
+         (or set StrictHostKeyChecking accept-new for this host)."
+    )]
+    Unknown {
+        name: String,
+        key_type: String,
+        fingerprint: String,
+        reason: String,
+    },
+    #[error("{name} presented a host certificate; host certificates are not supported yet")]
+    Certificate { name: String },
+    #[error(transparent)]
+    KnownHosts(#[from] KnownHostsError),
+}
+
+impl HasExit for HostKeyError {
+    fn exit(&self) -> Exit {
+        match self {
+            HostKeyError::Changed { .. } | HostKeyError::Revoked { .. } => Exit::HostKeyChanged,
+            HostKeyError::Unknown { .. } | HostKeyError::Certificate { .. } => Exit::HostKeyUnknown,
+            HostKeyError::KnownHosts(_) => Exit::Config,
+        }
+    }
+}
+
+/// Host-key policy for one host, applied during the handshake.
+#[derive(Debug, Clone)]
+pub struct HostKeyPolicy {
+    pub known_hosts: KnownHosts,
+    /// `host` or `[host]:port`, after HostKeyAlias.
+    pub name: String,
+    pub strict: StrictHostKeyChecking,
+    pub hash_new_entries: bool,
+}
+
+impl HostKeyPolicy {
+    pub fn for_target(target: &Target, accept_new: bool) -> Self {
+        let strict = if accept_new {
+            match target.strict_host_key_checking {
+                StrictHostKeyChecking::No => StrictHostKeyChecking::No,
+                _ => StrictHostKeyChecking::AcceptNew,
+            }
+        } else {
+            target.strict_host_key_checking
+        };
+        HostKeyPolicy {
+            known_hosts: KnownHosts {
+                user_files: target.user_known_hosts.clone(),
+                global_files: target.global_known_hosts.clone(),
+            },
+            name: target.known_hosts_name(),
+            strict,
+            hash_new_entries: target.hash_known_hosts,
+        }
+    }
+
+    /// Accept (and possibly record) `key`, or say why not.
+    async fn verify(&self, key: &PublicKey) -> Result<(), HostKeyError> {
+        let fingerprint = known_hosts::fingerprint(key);
+        let key_type = known_hosts::key_type(key);
+        match self.known_hosts.check(&self.name, key)? {
+            Lookup::Known(at) => {
+                tracing::debug!("host key {key_type} {fingerprint} known ({at})");
+                Ok(())
+            }
+            Lookup::Changed { recorded, at } => {
+                let file_opt = if at
+                    .file
+                    .starts_with(dirs::home_dir().unwrap_or_default().join(".ssh"))
+                {
+                    String::new()
+                } else {
+                    format!("' -f '{}", at.file.display())
+                };
+                Err(HostKeyError::Changed {
+                    name: self.name.clone(),
+                    key_type,
+                    offered: fingerprint,
+                    recorded_type: known_hosts::key_type(&recorded),
+                    recorded: known_hosts::fingerprint(&recorded),
+                    line: known_hosts::line_text(&at).unwrap_or_default(),
+                    at,
+                    file_opt,
+                })
+            }
+            Lookup::Revoked(at) => Err(HostKeyError::Revoked {
+                name: self.name.clone(),
+                key_type,
+                fingerprint,
+                at,
+            }),
+            Lookup::Unknown => {
+                let accept = match self.strict {
+                    StrictHostKeyChecking::AcceptNew | StrictHostKeyChecking::No => true,
+                    StrictHostKeyChecking::Yes => {
+                        return Err(HostKeyError::Unknown {
+                            name: self.name.clone(),
+                            key_type,
+                            fingerprint,
+                            reason: "StrictHostKeyChecking is yes".into(),
+                        })
+                    }
+                    StrictHostKeyChecking::Ask => {
+                        let question = format!(
+                            "The authenticity of host '{}' can't be established.\n\
+                             {key_type} key fingerprint is {fingerprint}.\n\
+                             Are you sure you want to continue connecting (yes/no/[fingerprint])? ",
+                            self.name
+                        );
+                        let expected = fingerprint.clone();
+                        match prompt::ask(question).await {
+                            Some(answer) => {
+                                let a = answer.trim();
+                                a.eq_ignore_ascii_case("yes") || a == expected
+                            }
+                            None => {
+                                return Err(HostKeyError::Unknown {
+                                    name: self.name.clone(),
+                                    key_type,
+                                    fingerprint,
+                                    reason: "There is no terminal to confirm it on".into(),
+                                })
+                            }
+                        }
+                    }
+                };
+                if !accept {
+                    return Err(HostKeyError::Unknown {
+                        name: self.name.clone(),
+                        key_type,
+                        fingerprint,
+                        reason: "You did not confirm it".into(),
+                    });
+                }
+                let file = self
+                    .known_hosts
+                    .learn(&self.name, key, self.hash_new_entries)?;
+                tracing::warn!(
+                    "permanently added {} ({key_type} {fingerprint}) to {}",
+                    self.name,
+                    file.display()
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+/// The russh event handler: checks the host key and shows banners.
+pub struct Client {
+    policy: HostKeyPolicy,
+    /// Why the key was refused, read back after russh reports `UnknownKey`.
+    refusal: Arc<Mutex<Option<HostKeyError>>>,
+}
+
+impl client::Handler for Client {
+    type Error = russh::Error;
+
+    async fn check_server_key(
+        &mut self,
+        key: &PublicKeyOrCertificate,
+    ) -> Result<bool, Self::Error> {
+        let result = match key {
+            PublicKeyOrCertificate::PublicKey { key, .. } => self.policy.verify(key).await,
+            PublicKeyOrCertificate::Certificate(_) => Err(HostKeyError::Certificate {
+                name: self.policy.name.clone(),
+            }),
+        };
+        match result {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                if let Ok(mut slot) = self.refusal.lock() {
+                    *slot = Some(e);
+                }
+                Ok(false)
+            }
+        }
+    }
+
+    async fn auth_banner(
+        &mut self,
+        banner: &str,
+        _session: &mut client::Session,
+    ) -> Result<(), Self::Error> {
+        eprint!("{banner}");
+        Ok(())
+    }
+}
+
+pub type Handle = client::Handle<Client>;
+
+/// An authenticated-to-be SSH session.
+pub struct Connection {
+    pub handle: Handle,
+    pub peer: SocketAddr,
+}
+
+fn ssh_config(target: &Target, policy: &HostKeyPolicy) -> client::Config {
+    let mut preferred = russh::Preferred::default();
+    // Ask first for the key types already recorded for this host, so a host
+    // with several keys is verified against the one we know (as ssh does).
+    let known = policy.known_hosts.algorithms_for(&policy.name);
+    if !known.is_empty() {
+        let same_family = |a: &Algorithm| {
+            known.iter().any(|k| match (k, a) {
+                (Algorithm::Rsa { .. }, Algorithm::Rsa { .. }) => true,
+                _ => k == a,
+            })
+        };
+        let mut keys: Vec<Algorithm> = preferred
+            .key
+            .iter()
+            .filter(|a| same_family(a))
+            .cloned()
+            .collect();
+        keys.extend(preferred.key.iter().filter(|a| !same_family(a)).cloned());
+        preferred.key = keys.into();
+    }
+    client::Config {
+        preferred,
+        keepalive_interval: Some(target.server_alive_interval.unwrap_or(DEFAULT_KEEPALIVE)),
+        keepalive_max: target.server_alive_count_max.max(1),
+        inactivity_timeout: None,
+        nodelay: true,
+        // Notebook traffic is bursty; a large window keeps bulk transfers
+        // (downloads of results) from stalling on window adjusts.
+        window_size: 16 * 1024 * 1024,
+        maximum_packet_size: 32 * 1024,
+        channel_buffer_size: 256,
+        ..Default::default()
+    }
+}
+
+/// Resolve, connect and complete the SSH handshake (host key included).
+pub async fn connect(target: &Target, policy: HostKeyPolicy) -> Result<Connection, ConnectError> {
+    let timeout = target.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    let host = target.host_name.clone();
+    let port = target.port;
+
+    let lookup = tokio::time::timeout(
+        timeout,
+        tokio::net::lookup_host((target.host_name.as_str(), port)),
+    )
+    .await;
+    let addrs: Vec<SocketAddr> = match lookup {
+        Err(_) => {
+            return Err(ConnectError::Timeout {
+                stage: "resolving",
+                host,
+                port,
+                timeout,
+            })
+        }
+        Ok(Err(e)) => {
+            let detail = dns_detail(&e);
+            return Err(if target.configured {
+                ConnectError::Dns {
+                    alias: target.alias.clone(),
+                    host,
+                    detail,
+                }
+            } else {
+                ConnectError::UnknownAlias {
+                    alias: target.alias.clone(),
+                    detail,
+                }
+            });
+        }
+        Ok(Ok(a)) => a.collect(),
+    };
+    tracing::debug!("{host} resolves to {addrs:?}");
+
+    let mut last_err = None;
+    let mut stream = None;
+    for addr in &addrs {
+        tracing::debug!("connecting to {addr}");
+        match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => {
+                stream = Some((s, *addr));
+                break;
+            }
+            Ok(Err(e)) => {
+                tracing::debug!("{addr}: {e}");
+                last_err = Some(match e.kind() {
+                    std::io::ErrorKind::ConnectionRefused => ConnectError::Refused {
+                        host: host.clone(),
+                        port,
+                        addr: *addr,
+                    },
+                    _ => ConnectError::Unreachable {
+                        host: host.clone(),
+                        port,
+                        detail: format!("{addr}: {e}"),
+                    },
+                });
+            }
+            Err(_) => {
+                last_err = Some(ConnectError::Timeout {
+                    stage: "connecting to",
+                    host: host.clone(),
+                    port,
+                    timeout,
+                })
+            }
+        }
+    }
+    let Some((tcp, peer)) = stream else {
+        return Err(last_err.unwrap_or(ConnectError::Unreachable {
+            host,
+            port,
+            detail: "the name resolved to no address".into(),
+        }));
+    };
+    // Interactive traffic: never wait to fill a segment.
+    if let Err(e) = tcp.set_nodelay(true) {
+        tracing::debug!("TCP_NODELAY: {e}");
+    }
+
+    let refusal = Arc::new(Mutex::new(None));
+    let handler = Client {
+        policy: policy.clone(),
+        refusal: refusal.clone(),
+    };
+    let config = Arc::new(ssh_config(target, &policy));
+    // The timeout covers the banner exchange and key exchange, as ssh's
+    // ConnectTimeout does; an interactive host-key prompt gets its own time.
+    let handshake = client::connect_stream(config, tcp, handler);
+    let handshake_timeout = if policy.strict == StrictHostKeyChecking::Ask && prompt::available() {
+        timeout + Duration::from_secs(600)
+    } else {
+        timeout
+    };
+    match tokio::time::timeout(handshake_timeout, handshake).await {
+        Err(_) => Err(ConnectError::Timeout {
+            stage: "waiting for the SSH handshake with",
+            host,
+            port,
+            timeout,
+        }),
+        Ok(Ok(handle)) => Ok(Connection { handle, peer }),
+        Ok(Err(e)) => {
+            let refused = refusal.lock().ok().and_then(|mut r| r.take());
+            match refused {
+                Some(why) => Err(why.into()),
+                None => Err(ConnectError::Handshake {
+                    host,
+                    port,
+                    source: e,
+                }),
+            }
+        }
+    }
+}
+
+/// getaddrinfo's message without Rust's prefix.
+fn dns_detail(e: &std::io::Error) -> String {
+    let s = e.to_string();
+    s.strip_prefix("failed to lookup address information: ")
+        .unwrap_or(&s)
+        .to_string()
+}

@@ -1,0 +1,136 @@
+//! The local end: a listener on 127.0.0.1 whose connections each get their
+//! own direct-tcpip channel over the one SSH session.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+use crate::connect::Handle;
+use crate::exit::{Exit, HasExit};
+
+/// How far past the preferred port to look for a free one.
+const PORT_SEARCH: u16 = 100;
+/// Copy buffers: big enough that bulk downloads are not syscall-bound.
+const COPY_BUF: usize = 256 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("local port {port} is busy ({source}); choose another with --port")]
+    PortBusy { port: u16, source: std::io::Error },
+    #[error("no free local port between {from} and {to}; choose one with --port")]
+    NoFreePort { from: u16, to: u16 },
+    #[error("cannot listen on 127.0.0.1:{port}: {source}")]
+    Listen { port: u16, source: std::io::Error },
+}
+
+impl HasExit for ForwardError {
+    fn exit(&self) -> Exit {
+        match self {
+            ForwardError::PortBusy { .. } | ForwardError::NoFreePort { .. } => Exit::PortBusy,
+            ForwardError::Listen { .. } => Exit::Internal,
+        }
+    }
+}
+
+async fn bind(port: u16) -> std::io::Result<TcpListener> {
+    // Loopback only: the token is the only lock, so nobody else on the
+    // network should even reach the door.
+    TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, port))).await
+}
+
+/// Listen on exactly `port` (the user asked for it).
+pub async fn bind_exact(port: u16) -> Result<TcpListener, ForwardError> {
+    bind(port).await.map_err(|source| match source.kind() {
+        std::io::ErrorKind::AddrInUse | std::io::ErrorKind::PermissionDenied => {
+            ForwardError::PortBusy { port, source }
+        }
+        _ => ForwardError::Listen { port, source },
+    })
+}
+
+/// Listen on `preferred` if free, else the next free port above it.
+pub async fn bind_near(preferred: u16) -> Result<TcpListener, ForwardError> {
+    let from = preferred.max(1024);
+    let to = from.saturating_add(PORT_SEARCH);
+    for port in from..=to {
+        match bind(port).await {
+            Ok(l) => return Ok(l),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => continue,
+            Err(source) => return Err(ForwardError::Listen { port, source }),
+        }
+    }
+    Err(ForwardError::NoFreePort { from, to })
+}
+
+/// Accept connections forever, forwarding each to 127.0.0.1:`remote_port`
+/// on the remote. Ends when the task is aborted.
+pub fn serve(listener: TcpListener, handle: Arc<Handle>, remote_port: u16) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = match listener.accept().await {
+                Ok(x) => x,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!("accepting a local connection failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let handle = handle.clone();
+            tokio::spawn(async move {
+                if let Err(e) = forward_one(tcp, peer, &handle, remote_port).await {
+                    tracing::debug!("connection from {peer}: {e}");
+                }
+            });
+        }
+    })
+}
+
+async fn forward_one(
+    mut tcp: TcpStream,
+    peer: SocketAddr,
+    handle: &Handle,
+    remote_port: u16,
+) -> Result<(), String> {
+    tcp.set_nodelay(true).map_err(|e| e.to_string())?;
+    let channel = handle
+        .channel_open_direct_tcpip(
+            "127.0.0.1",
+            u32::from(remote_port),
+            peer.ip().to_string(),
+            u32::from(peer.port()),
+        )
+        .await
+        .map_err(|e| {
+            tracing::warn!(
+                "cannot open a forwarding channel to the remote port {remote_port}: {e}"
+            );
+            e.to_string()
+        })?;
+    let mut stream = channel.into_stream();
+    let (up, down) =
+        tokio::io::copy_bidirectional_with_sizes(&mut tcp, &mut stream, COPY_BUF, COPY_BUF)
+            .await
+            .map_err(|e| e.to_string())?;
+    tracing::trace!("connection from {peer} closed ({up} B up, {down} B down)");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn busy_port_is_reported_and_skipped() {
+        let taken = bind_near(20000).await.expect("some port");
+        let port = taken.local_addr().expect("addr").port();
+        let err = bind_exact(port).await.expect_err("busy");
+        assert_eq!(err.exit(), Exit::PortBusy);
+        let other = bind_near(port).await.expect("next port");
+        let other_port = other.local_addr().expect("addr").port();
+        assert!(other_port > port);
+        assert!(other.local_addr().expect("addr").ip().is_loopback());
+    }
+}

@@ -1,0 +1,218 @@
+//! `tunnel down`, `status` and `ls`: act on tunnels started in other terminals
+//! through their state files.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde::Serialize;
+
+use crate::cli::{DownArgs, LsArgs, StatusArgs};
+use crate::exit::{Exit, HasExit};
+use crate::state::{self, Phase, StateError, TunnelState};
+
+/// `down` waits this long for the tunnel to stop its remote server and exit.
+const DOWN_TIMEOUT: Duration = Duration::from_secs(40);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ManageError {
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("cannot signal the tunnel process {pid}: {source}")]
+    Signal { pid: u32, source: nix::Error },
+    #[error("the tunnel to {host} (pid {pid}) did not stop within {}s", DOWN_TIMEOUT.as_secs())]
+    Timeout { host: String, pid: u32 },
+}
+
+impl HasExit for ManageError {
+    fn exit(&self) -> Exit {
+        match self {
+            ManageError::State(e) => e.exit(),
+            ManageError::Signal { .. } => Exit::Internal,
+            ManageError::Timeout { .. } => Exit::Timeout,
+        }
+    }
+}
+
+pub async fn down(args: DownArgs) -> Result<(), ManageError> {
+    let path = state::path_for(&state::dir()?, &args.host);
+    let host = args.host.to_ascii_lowercase();
+    let Some(st) = state::read(&path) else {
+        return Err(StateError::NoTunnel { host, stale: false }.into());
+    };
+    if !state::is_alive(st.pid) {
+        let _ = std::fs::remove_file(&path);
+        return Err(StateError::NoTunnel { host, stale: true }.into());
+    }
+    let pid = i32::try_from(st.pid).map_err(|_| StateError::NoTunnel {
+        host: host.clone(),
+        stale: true,
+    })?;
+    tracing::info!("stopping the tunnel to {host} (pid {})", st.pid);
+    // The `up` process handles SIGTERM like Ctrl-C: it stops the remote
+    // server, removes its runtime directory, then exits.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .map_err(|source| ManageError::Signal {
+        pid: st.pid,
+        source,
+    })?;
+    let start = Instant::now();
+    while state::is_alive(st.pid) {
+        if start.elapsed() > DOWN_TIMEOUT {
+            return Err(ManageError::Timeout { host, pid: st.pid });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tracing::info!("the tunnel to {host} is down");
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct Shown<'a> {
+    #[serde(flatten)]
+    state: &'a TunnelState,
+    alive: bool,
+    uptime_secs: u64,
+}
+
+fn shown(st: &TunnelState) -> Shown<'_> {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    Shown {
+        state: st,
+        alive: state::is_alive(st.pid),
+        uptime_secs: now.saturating_sub(st.started_at),
+    }
+}
+
+fn phase_text(s: &Shown<'_>) -> &'static str {
+    match (s.alive, s.state.phase) {
+        (false, _) => "dead",
+        (true, Phase::Starting) => "starting",
+        (true, Phase::Ready) => "ready",
+    }
+}
+
+fn uptime(secs: u64) -> String {
+    match secs {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m{:02}s", s / 60, s % 60),
+        s => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+    }
+}
+
+fn print_json<T: Serialize>(v: &T) {
+    match serde_json::to_string_pretty(v) {
+        Ok(s) => println!("{s}"),
+        Err(e) => tracing::error!("cannot encode JSON: {e}"),
+    }
+}
+
+pub fn status(args: StatusArgs) -> Result<(), ManageError> {
+    let all = state::list()?;
+    let selected: Vec<&TunnelState> = match &args.host {
+        Some(h) => {
+            let key = state::key(h);
+            let found: Vec<&TunnelState> = all
+                .iter()
+                .map(|(_, s)| s)
+                .filter(|s| state::key(&s.host) == key)
+                .collect();
+            if found.is_empty() {
+                return Err(StateError::NoTunnel {
+                    host: h.to_ascii_lowercase(),
+                    stale: false,
+                }
+                .into());
+            }
+            found
+        }
+        None => all.iter().map(|(_, s)| s).collect(),
+    };
+    let shown: Vec<Shown<'_>> = selected.into_iter().map(shown).collect();
+    if args.json {
+        if args.host.is_some() {
+            if let Some(one) = shown.first() {
+                print_json(one);
+            }
+        } else {
+            print_json(&shown);
+        }
+        return Ok(());
+    }
+    if shown.is_empty() {
+        println!("no tunnels");
+    }
+    for s in &shown {
+        let st = s.state;
+        println!(
+            "{}: {}, pid {}, up {}",
+            st.host,
+            phase_text(s),
+            st.pid,
+            uptime(s.uptime_secs)
+        );
+        if let Some(url) = &st.url {
+            println!("  url:     {url}  (the token is in the URL `tunnel up` printed)");
+        }
+        println!(
+            "  ssh:     {}@{} port {}",
+            st.ssh_user, st.ssh_host, st.ssh_port
+        );
+        let mut remote = format!("jupyter {}", st.app.subcommand());
+        if let Some(p) = st.remote_port {
+            remote.push_str(&format!(" on port {p}"));
+        }
+        if let Some(p) = st.remote_pid {
+            remote.push_str(&format!(", pid {p}"));
+        }
+        if let Some(d) = &st.remote_runtime_dir {
+            remote.push_str(&format!(", runtime dir {d}"));
+        }
+        println!("  remote:  {remote}");
+    }
+    Ok(())
+}
+
+pub fn ls(args: LsArgs) -> Result<(), ManageError> {
+    let all = state::list()?;
+    let shown: Vec<Shown<'_>> = all.iter().map(|(_, s)| shown(s)).collect();
+    if args.json {
+        print_json(&shown);
+        return Ok(());
+    }
+    if shown.is_empty() {
+        println!("no tunnels");
+        return Ok(());
+    }
+    println!(
+        "{:<24} {:<9} {:>8} {:>8}  URL",
+        "HOST", "STATE", "PID", "UP"
+    );
+    for s in &shown {
+        println!(
+            "{:<24} {:<9} {:>8} {:>8}  {}",
+            s.state.host,
+            phase_text(s),
+            s.state.pid,
+            uptime(s.uptime_secs),
+            s.state.url.as_deref().unwrap_or("-")
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uptime_format() {
+        assert_eq!(uptime(5), "5s");
+        assert_eq!(uptime(65), "1m05s");
+        assert_eq!(uptime(3 * 3600 + 120), "3h02m");
+    }
+}

@@ -1,0 +1,385 @@
+//! The remote side: the launch script, its stdin protocol and its events.
+//!
+//! The exec command is a constant one-liner that reads the real script from
+//! the first stdin line, so nothing but that line ever shows in `ps`, and it
+//! works whatever the user's login shell is (csh and fish included). The
+//! token is the second stdin line: it never appears on a command line. Later
+//! lines are commands ("stop"); EOF means the client is gone, and the remote
+//! stops Jupyter after the linger time.
+
+use russh::client::Msg;
+use russh::{ChannelMsg, ChannelWriteHalf};
+use tokio::sync::mpsc;
+
+use crate::cli::App;
+use crate::connect::Handle;
+use crate::exit::{Exit, HasExit};
+use crate::token::Token;
+
+const BOOTSTRAP: &str = include_str!("remote/bootstrap.sh");
+const LAUNCH: &str = include_str!("remote/launch.sh");
+
+/// What sshd runs. `printf %b` turns the `\n`/`\\` escapes of the first stdin
+/// line back into the multi-line stage-1 script.
+pub const EXEC_COMMAND: &str = r#"exec /bin/sh -c 'IFS= read -r s && eval "$(printf %b "$s")"'"#;
+
+const PREFIX: &str = "tunnel-remote: ";
+
+/// What to start on the remote.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    pub app: App,
+    pub env: Option<String>,
+    pub init: Option<String>,
+    pub dir: Option<String>,
+    /// First port Jupyter tries (it moves on if taken).
+    pub port_hint: u16,
+    pub linger_secs: u64,
+    pub timeout_secs: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    #[error("{message}{}", log_block(log))]
+    Setup { message: String, log: Vec<String> },
+    #[error("{message}")]
+    JupyterMissing { message: String },
+    #[error("{message}{}", log_block(log))]
+    JupyterFailed { message: String, log: Vec<String> },
+    #[error("{message}{}", log_block(log))]
+    Timeout { message: String, log: Vec<String> },
+    #[error("the remote session ended before Jupyter was ready{}{}", status_text(*status), log_block(log))]
+    Ended {
+        status: Option<u32>,
+        log: Vec<String>,
+    },
+    #[error("cannot start the remote command: {0}")]
+    Channel(#[source] russh::Error),
+}
+
+fn status_text(status: Option<u32>) -> String {
+    status
+        .map(|s| format!(" (exit status {s})"))
+        .unwrap_or_default()
+}
+
+fn log_block(log: &[String]) -> String {
+    if log.is_empty() {
+        String::new()
+    } else {
+        format!("\n  last lines of the log:\n    {}", log.join("\n    "))
+    }
+}
+
+impl HasExit for RemoteError {
+    fn exit(&self) -> Exit {
+        match self {
+            RemoteError::Setup { .. } => Exit::RemoteSetup,
+            RemoteError::JupyterMissing { .. } => Exit::JupyterMissing,
+            RemoteError::JupyterFailed { .. } => Exit::JupyterFailed,
+            RemoteError::Timeout { .. } => Exit::Timeout,
+            RemoteError::Ended { .. } | RemoteError::Channel(_) => Exit::ConnectionLost,
+        }
+    }
+}
+
+/// A line the launcher printed, or a change of the channel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Runtime(String),
+    Root,
+    Env(String),
+    Pid(u32),
+    Ready {
+        port: u16,
+        base_url: String,
+    },
+    Exited(String),
+    Error {
+        kind: String,
+        message: String,
+    },
+    Log(String),
+    Stopped,
+    /// The channel delivered an exit status.
+    Status(u32),
+    /// The channel (or the whole connection) closed.
+    Closed,
+}
+
+/// Single-quote for sh.
+fn sh_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// The first stdin line: stage 1 with its parameters, escaped onto one line.
+pub fn stage1_line(spec: &LaunchSpec) -> String {
+    let opt = |o: &Option<String>| sh_quote(o.as_deref().unwrap_or(""));
+    let script = format!(
+        "TUNNEL_MAIN={main}\nTUNNEL_INIT={init}\nTUNNEL_ENV={env}\nTUNNEL_DIR={dir}\n\
+         TUNNEL_APP={app}\nTUNNEL_PORT={port}\nTUNNEL_LINGER={linger}\nTUNNEL_TIMEOUT={timeout}\n{boot}",
+        main = sh_quote(LAUNCH),
+        init = opt(&spec.init),
+        env = opt(&spec.env),
+        dir = opt(&spec.dir),
+        app = spec.app.subcommand(),
+        port = spec.port_hint,
+        linger = spec.linger_secs,
+        timeout = spec.timeout_secs,
+        boot = BOOTSTRAP,
+    );
+    let mut line = script.replace('\\', r"\\").replace('\n', r"\n");
+    line.push('\n');
+    line
+}
+
+/// Parse one stdout line of the launcher; `None` for lines that are not ours
+/// (a chatty login profile, for instance).
+pub fn parse_line(line: &str) -> Option<Event> {
+    let rest = line.strip_prefix(PREFIX)?;
+    let (word, args) = rest.split_once(' ').unwrap_or((rest, ""));
+    Some(match word {
+        "runtime" => Event::Runtime(args.to_string()),
+        "root" => Event::Root,
+        "env" => Event::Env(args.to_string()),
+        "pid" => Event::Pid(args.trim().parse().ok()?),
+        "ready" => {
+            let (port, base) = args.split_once(' ').unwrap_or((args, "/"));
+            Event::Ready {
+                port: port.trim().parse().ok()?,
+                base_url: base.trim().to_string(),
+            }
+        }
+        "exited" => Event::Exited(args.to_string()),
+        "error" => {
+            let (kind, message) = args.split_once(' ').unwrap_or((args, ""));
+            Event::Error {
+                kind: kind.to_string(),
+                message: message.to_string(),
+            }
+        }
+        "log" => Event::Log(args.to_string()),
+        "stopped" => Event::Stopped,
+        _ => return None,
+    })
+}
+
+/// Turn an `error` event (plus the log lines that followed) into an error.
+pub fn error_from(kind: &str, message: String, log: Vec<String>) -> RemoteError {
+    match kind {
+        "jupyter-missing" => RemoteError::JupyterMissing { message },
+        "jupyter-exited" => RemoteError::JupyterFailed { message, log },
+        "timeout" => RemoteError::Timeout { message, log },
+        _ => RemoteError::Setup { message, log },
+    }
+}
+
+/// The running launcher: send commands, receive events.
+pub struct Launcher {
+    writer: ChannelWriteHalf<Msg>,
+    pub events: mpsc::Receiver<Event>,
+}
+
+impl Launcher {
+    /// Open an exec channel, start the launcher and hand it the token.
+    pub async fn start(
+        handle: &Handle,
+        spec: &LaunchSpec,
+        token: &Token,
+    ) -> Result<Self, RemoteError> {
+        let channel = handle
+            .channel_open_session()
+            .await
+            .map_err(RemoteError::Channel)?;
+        channel
+            .exec(true, EXEC_COMMAND)
+            .await
+            .map_err(RemoteError::Channel)?;
+        let (mut reader, writer) = channel.split();
+        let mut stdin = stage1_line(spec).into_bytes();
+        stdin.extend_from_slice(token.expose().as_bytes());
+        stdin.push(b'\n');
+        writer
+            .data(&stdin[..])
+            .await
+            .map_err(RemoteError::Channel)?;
+
+        let (tx, events) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let mut partial = Vec::new();
+            let mut err_partial = Vec::new();
+            while let Some(msg) = reader.wait().await {
+                match msg {
+                    ChannelMsg::Data { data } => {
+                        for line in split_lines(&mut partial, &data) {
+                            match parse_line(&line) {
+                                Some(ev) => {
+                                    tracing::trace!("remote event {ev:?}");
+                                    if tx.send(ev).await.is_err() {
+                                        return;
+                                    }
+                                }
+                                None => tracing::debug!("remote: {line}"),
+                            }
+                        }
+                    }
+                    ChannelMsg::ExtendedData { data, .. } => {
+                        for line in split_lines(&mut err_partial, &data) {
+                            tracing::debug!("remote stderr: {line}");
+                        }
+                    }
+                    ChannelMsg::ExitStatus { exit_status } => {
+                        let _ = tx.send(Event::Status(exit_status)).await;
+                    }
+                    ChannelMsg::Close => break,
+                    _ => {}
+                }
+            }
+            let _ = tx.send(Event::Closed).await;
+        });
+        Ok(Launcher { writer, events })
+    }
+
+    /// Ask the launcher to stop Jupyter and clean up.
+    pub async fn send_stop(&self) -> Result<(), russh::Error> {
+        self.writer.data(&b"stop\n"[..]).await
+    }
+}
+
+fn split_lines(partial: &mut Vec<u8>, data: &[u8]) -> Vec<String> {
+    partial.extend_from_slice(data);
+    let mut lines = Vec::new();
+    while let Some(pos) = partial.iter().position(|&b| b == b'\n') {
+        let line: Vec<u8> = partial.drain(..=pos).collect();
+        lines.push(
+            String::from_utf8_lossy(&line[..line.len() - 1])
+                .trim_end_matches('\r')
+                .to_string(),
+        );
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+
+    fn spec() -> LaunchSpec {
+        LaunchSpec {
+            app: App::Lab,
+            env: Some("it's \"quoted\" $HOME `x` \\n".into()),
+            init: Some("module load cuda\necho 'a\\b'".into()),
+            dir: None,
+            port_hint: 23456,
+            linger_secs: 5,
+            timeout_secs: 30,
+        }
+    }
+
+    #[test]
+    fn stage1_is_one_line() {
+        let line = stage1_line(&spec());
+        assert_eq!(line.matches('\n').count(), 1);
+        assert!(line.ends_with('\n'));
+    }
+
+    /// The exact decoding sh performs must give back the parameters verbatim.
+    #[test]
+    fn sh_decodes_the_stage1_line_exactly() {
+        let s = spec();
+        let line = stage1_line(&s);
+        // Replace the bootstrap's work with printing the parameters.
+        let probe = r#"IFS= read -r s && eval "$(printf %b "$s" | sed '/^# tunnel bootstrap/,$d')" && printf '%s\n--\n%s\n--\n%s' "$TUNNEL_ENV" "$TUNNEL_INIT" "$TUNNEL_PORT""#;
+        let mut child = Command::new("/bin/sh")
+            .args(["-c", probe])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("sh runs");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(line.as_bytes())
+            .expect("write");
+        let out = child.wait_with_output().expect("sh finishes");
+        let text = String::from_utf8(out.stdout).expect("utf8");
+        assert_eq!(
+            text,
+            format!(
+                "{}\n--\n{}\n--\n23456",
+                s.env.as_deref().unwrap_or_default(),
+                s.init.as_deref().unwrap_or_default()
+            )
+        );
+    }
+
+    #[test]
+    fn scripts_are_valid_sh() {
+        for (name, text) in [("bootstrap", BOOTSTRAP), ("launch", LAUNCH)] {
+            let out = Command::new("/bin/sh")
+                .args(["-n", "-c", text])
+                .output()
+                .expect("sh runs");
+            assert!(
+                out.status.success(),
+                "{name}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+
+    #[test]
+    fn parses_events() {
+        assert_eq!(
+            parse_line("tunnel-remote: ready 8888 /"),
+            Some(Event::Ready {
+                port: 8888,
+                base_url: "/".into()
+            })
+        );
+        assert_eq!(
+            parse_line("tunnel-remote: error jupyter-missing jupyter not found"),
+            Some(Event::Error {
+                kind: "jupyter-missing".into(),
+                message: "jupyter not found".into()
+            })
+        );
+        assert_eq!(parse_line("tunnel-remote: stopped"), Some(Event::Stopped));
+        assert_eq!(parse_line("Welcome to the cluster!"), None);
+        assert_eq!(parse_line("tunnel-remote: ready notaport /"), None);
+    }
+
+    #[test]
+    fn splits_lines_across_chunks() {
+        let mut p = Vec::new();
+        assert!(split_lines(&mut p, b"tunnel-remote: rea").is_empty());
+        assert_eq!(
+            split_lines(&mut p, b"dy 1 /\r\nx\n"),
+            vec!["tunnel-remote: ready 1 /", "x"]
+        );
+        assert!(p.is_empty());
+    }
+
+    #[test]
+    fn errors_map_to_exit_codes() {
+        assert_eq!(
+            error_from("jupyter-missing", "m".into(), vec![]).exit(),
+            Exit::JupyterMissing
+        );
+        assert_eq!(
+            error_from("jupyter-exited", "m".into(), vec![]).exit(),
+            Exit::JupyterFailed
+        );
+        assert_eq!(
+            error_from("env", "m".into(), vec![]).exit(),
+            Exit::RemoteSetup
+        );
+        assert_eq!(
+            error_from("timeout", "m".into(), vec![]).exit(),
+            Exit::Timeout
+        );
+    }
+}

@@ -1,0 +1,31 @@
+# tunnel bootstrap: stage 1 of the remote launch. Runs in /bin/sh.
+#
+# It arrives as the first line of the exec channel's stdin (the command line
+# sshd shows in `ps` stays short and constant); the remaining stdin lines are
+# the token, then the client's commands ("stop"). EOF on stdin means the
+# client is gone. The client prepends TUNNEL_* assignments to this text.
+IFS= read -r JUPYTER_TOKEN || exit 90
+export JUPYTER_TOKEN
+umask 077
+tunnel_say() { printf 'tunnel-remote: %s\n' "$*"; }
+tunnel_base=${XDG_RUNTIME_DIR:-}
+if [ -z "$tunnel_base" ] || [ ! -d "$tunnel_base" ] || [ ! -w "$tunnel_base" ]; then
+  tunnel_base=${TMPDIR:-/tmp}
+fi
+TUNNEL_RT=$(mktemp -d "$tunnel_base/tunnel-jupyter.XXXXXXXX" 2>/dev/null) || {
+  tunnel_say "error setup cannot create a private runtime directory under $tunnel_base"
+  exit 91
+}
+chmod 700 "$TUNNEL_RT"
+tunnel_say "runtime $TUNNEL_RT"
+export TUNNEL_RT TUNNEL_MAIN TUNNEL_INIT TUNNEL_ENV TUNNEL_DIR TUNNEL_APP TUNNEL_PORT TUNNEL_LINGER TUNNEL_TIMEOUT
+# The user's login shell sets up PATH, modules, etc. as an interactive ssh
+# login would; --init runs there (so shell functions such as `module` exist),
+# then the rest runs in /bin/sh, whose behaviour we know. csh/fish users get
+# /bin/sh as the login shell, since --init is written in sh syntax.
+case ${SHELL:-} in
+  */bash|*/zsh|*/ksh|*/mksh|*/dash|*/sh|*/ash) tunnel_login=$SHELL ;;
+  *) tunnel_login=/bin/sh ;;
+esac
+[ -x "$tunnel_login" ] || tunnel_login=/bin/sh
+exec "$tunnel_login" -l -c 'if [ -n "$TUNNEL_INIT" ]; then eval "$TUNNEL_INIT" </dev/null >>"$TUNNEL_RT/init.log" 2>&1 || TUNNEL_INIT_STATUS=$?; export TUNNEL_INIT_STATUS; fi; exec /bin/sh -c "eval \"\$TUNNEL_MAIN\""'

@@ -1,0 +1,268 @@
+//! Local state: one 0600 JSON file per running tunnel, in a 0700 directory,
+//! so `down`, `status` and `ls` work from any terminal. No token is stored.
+
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::cli::App;
+use crate::exit::{Exit, HasExit};
+
+/// Overrides the state directory (tests, or several independent setups).
+pub const STATE_DIR_ENV: &str = "TUNNEL_STATE_DIR";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("no state directory: set {STATE_DIR_ENV} or HOME")]
+    NoDir,
+    #[error("state file {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("a tunnel to {host} is already running (pid {pid}{}); stop it with `tunnel down {host}`", url.as_deref().map(|u| format!(", {u}")).unwrap_or_default())]
+    AlreadyRunning {
+        host: String,
+        pid: u32,
+        url: Option<String>,
+    },
+    #[error("no tunnel to {host} is running{}", if *stale { " (removed the state of a tunnel that died)" } else { "" })]
+    NoTunnel { host: String, stale: bool },
+}
+
+impl HasExit for StateError {
+    fn exit(&self) -> Exit {
+        match self {
+            StateError::AlreadyRunning { .. } => Exit::AlreadyRunning,
+            StateError::NoTunnel { .. } => Exit::NoTunnel,
+            StateError::NoDir | StateError::Io { .. } => Exit::Internal,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    Starting,
+    Ready,
+}
+
+/// What `status` shows. Deliberately without the token.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TunnelState {
+    pub host: String,
+    pub pid: u32,
+    pub phase: Phase,
+    pub ssh_user: String,
+    pub ssh_host: String,
+    pub ssh_port: u16,
+    pub app: App,
+    /// Unix seconds.
+    pub started_at: u64,
+    pub local_port: Option<u16>,
+    pub remote_port: Option<u16>,
+    /// URL without the token.
+    pub url: Option<String>,
+    pub remote_runtime_dir: Option<String>,
+    pub remote_pid: Option<u32>,
+}
+
+pub fn dir() -> Result<PathBuf, StateError> {
+    if let Some(d) = std::env::var_os(STATE_DIR_ENV).filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(d));
+    }
+    dirs::state_dir()
+        .or_else(dirs::data_local_dir)
+        .map(|d| d.join("tunnel"))
+        .ok_or(StateError::NoDir)
+}
+
+fn ensure_dir(d: &Path) -> Result<(), StateError> {
+    let io = |source| StateError::Io {
+        path: d.to_path_buf(),
+        source,
+    };
+    if !d.exists() {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(d)
+            .map_err(io)?;
+    }
+    // Other users must not list which hosts we tunnel to.
+    fs::set_permissions(d, fs::Permissions::from_mode(0o700)).map_err(io)?;
+    Ok(())
+}
+
+/// File-name-safe form of the host argument.
+pub fn key(host: &str) -> String {
+    host.to_ascii_lowercase()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | '@') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+pub fn path_for(dir: &Path, host: &str) -> PathBuf {
+    dir.join(format!("{}.json", key(host)))
+}
+
+/// Whether `pid` is a live `tunnel` process (not a recycled pid).
+pub fn is_alive(pid: u32) -> bool {
+    let Ok(raw) = i32::try_from(pid) else {
+        return false;
+    };
+    let alive = match nix::sys::signal::kill(nix::unistd::Pid::from_raw(raw), None) {
+        Ok(()) => true,
+        Err(nix::errno::Errno::EPERM) => true,
+        Err(_) => false,
+    };
+    if !alive {
+        return false;
+    }
+    // Where /proc exists, make sure the pid still belongs to a tunnel.
+    match fs::read(format!("/proc/{pid}/cmdline")) {
+        Ok(cmd) => cmd
+            .split(|&b| b == 0)
+            .next()
+            .map(|arg0| String::from_utf8_lossy(arg0).contains("tunnel"))
+            .unwrap_or(false),
+        Err(_) => true,
+    }
+}
+
+/// Holds the state file of the running `up`; removes it on drop.
+pub struct StateFile {
+    path: PathBuf,
+    pub state: TunnelState,
+}
+
+impl StateFile {
+    /// Claim the host: fails if a live tunnel already holds it; takes over
+    /// the file of a dead one.
+    pub fn claim(state: TunnelState) -> Result<Self, StateError> {
+        let d = dir()?;
+        ensure_dir(&d)?;
+        let path = path_for(&d, &state.host);
+        for _ in 0..2 {
+            match OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+            {
+                Ok(mut f) => {
+                    let json = serde_json::to_vec_pretty(&state).map_err(|e| StateError::Io {
+                        path: path.clone(),
+                        source: e.into(),
+                    })?;
+                    f.write_all(&json).map_err(|source| StateError::Io {
+                        path: path.clone(),
+                        source,
+                    })?;
+                    return Ok(StateFile { path, state });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => match read(&path) {
+                    Some(other) if is_alive(other.pid) => {
+                        return Err(StateError::AlreadyRunning {
+                            host: state.host.clone(),
+                            pid: other.pid,
+                            url: other.url,
+                        })
+                    }
+                    _ => {
+                        tracing::debug!("removing stale state {}", path.display());
+                        let _ = fs::remove_file(&path);
+                    }
+                },
+                Err(source) => return Err(StateError::Io { path, source }),
+            }
+        }
+        Err(StateError::Io {
+            path,
+            source: std::io::Error::other("the state file keeps reappearing"),
+        })
+    }
+
+    /// Rewrite atomically (0600 temp file, then rename).
+    pub fn save(&self) -> Result<(), StateError> {
+        let tmp = self.path.with_extension("json.tmp");
+        let io = |source| StateError::Io {
+            path: tmp.clone(),
+            source,
+        };
+        let json = serde_json::to_vec_pretty(&self.state).map_err(|e| io(e.into()))?;
+        let _ = fs::remove_file(&tmp);
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io)?;
+        f.write_all(&json).map_err(io)?;
+        fs::rename(&tmp, &self.path).map_err(io)?;
+        Ok(())
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.path.parent().unwrap_or(Path::new("."))
+    }
+}
+
+impl Drop for StateFile {
+    fn drop(&mut self) {
+        // Only remove it if it is still ours.
+        if read(&self.path).is_some_and(|s| s.pid == self.state.pid) {
+            let _ = fs::remove_file(&self.path);
+        }
+    }
+}
+
+pub fn read(path: &Path) -> Option<TunnelState> {
+    let text = fs::read(path).ok()?;
+    serde_json::from_slice(&text).ok()
+}
+
+/// All recorded tunnels (live or not), sorted by host.
+pub fn list() -> Result<Vec<(PathBuf, TunnelState)>, StateError> {
+    let d = dir()?;
+    let entries = match fs::read_dir(&d) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => return Err(StateError::Io { path: d, source }),
+    };
+    let mut out: Vec<(PathBuf, TunnelState)> = entries
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter_map(|p| read(&p).map(|s| (p, s)))
+        .collect();
+    out.sort_by(|a, b| a.1.host.cmp(&b.1.host));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_file_safe() {
+        assert_eq!(key("Root@GPU-1.example"), "root@gpu-1.example");
+        assert_eq!(key("../x/y"), ".._x_y");
+    }
+
+    #[test]
+    fn own_pid_is_alive_and_bogus_pid_is_not() {
+        assert!(!is_alive(u32::MAX));
+        // The test binary's name contains "tunnel".
+        assert!(is_alive(std::process::id()));
+    }
+}
