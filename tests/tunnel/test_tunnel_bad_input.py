@@ -1,0 +1,164 @@
+"""Every failure gets one clear message and its own documented exit code."""
+
+from __future__ import annotations
+
+import glob
+import socket
+import subprocess
+import threading
+
+import pytest
+
+from tunnel_harness import EXIT, run_tunnel
+from sshd import free_port
+
+
+@pytest.fixture
+def up(sshd, state_dir, tunnel_bin, jupyter_prefix, tmp_path):
+    """Run `tunnel up` to completion with a config for `sshd` (optionally altered)."""
+
+    def run(*args, config_options=None, host=None, timeout=90):
+        config = tmp_path / "ssh_config"
+        config.write_text(sshd.client_config(**(config_options or {})))
+        argv = ["up", "-F", str(config), host or sshd.alias, "--no-browser", "--app", "server"]
+        if "--env" not in args:
+            argv += ["--env", str(jupyter_prefix)]
+        r = run_tunnel(tunnel_bin, state_dir, *argv, *args, timeout=timeout)
+        assert r.stdout == "", "no URL may be printed on failure"
+        # One message, prefixed, at the end of stderr.
+        assert r.stderr.count("tunnel: error: ") == 1, r.stderr
+        return r
+
+    return run
+
+
+def runtime_dirs() -> set[str]:
+    return set(glob.glob("/tmp/tunnel-jupyter.*"))
+
+
+def test_unknown_alias(up):
+    r = up(host="no-such-alias.invalid")
+    assert r.returncode == EXIT["unknown_alias"], r.stderr
+    assert 'unknown host "no-such-alias.invalid"' in r.stderr
+
+
+def test_dns_failure_of_a_configured_alias(up, sshd):
+    r = up(config_options={"HostName": "does-not-exist.invalid"})
+    assert r.returncode == EXIT["dns"], r.stderr
+    assert f"cannot resolve does-not-exist.invalid (HostName of {sshd.alias})" in r.stderr
+
+
+def test_connection_refused(up):
+    port = free_port()
+    r = up(config_options={"Port": str(port)})
+    assert r.returncode == EXIT["refused"], r.stderr
+    assert f"connection to 127.0.0.1 port {port} refused" in r.stderr
+
+
+def test_timeout_when_the_server_never_answers(up):
+    # Accepts TCP connections and says nothing: no SSH banner ever comes.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(5)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        silent.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(silent.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        r = up(config_options={"Port": str(silent.getsockname()[1]), "ConnectTimeout": "2"})
+    finally:
+        stop.set()
+        thread.join()
+        for c in held:
+            c.close()
+        silent.close()
+    assert r.returncode == EXIT["timeout"], r.stderr
+    assert "timed out after 2s waiting for the SSH handshake" in r.stderr
+
+
+def test_authentication_failure_lists_what_was_tried(up, sshd):
+    r = up(config_options={"IdentityFile": str(sshd.other_key)})
+    assert r.returncode == EXIT["auth"], r.stderr
+    assert f"permission denied for {sshd.user}@127.0.0.1" in r.stderr
+    assert f"key {sshd.other_key}" in r.stderr
+    assert "password (not asked: no terminal)" not in r.stderr  # PasswordAuthentication no
+    assert "the server accepts: publickey" in r.stderr
+
+
+def test_jupyter_missing(up, tmp_path):
+    before = runtime_dirs()
+    env = tmp_path / "bare-venv"
+    subprocess.run(["python3", "-m", "venv", "--without-pip", str(env)], check=True)
+    r = up("--env", str(env))
+    assert r.returncode == EXIT["jupyter_missing"], r.stderr
+    assert "jupyter not found on the remote PATH" in r.stderr
+    assert f"{env}/bin" in r.stderr
+    assert runtime_dirs() == before  # cleaned up on the remote
+
+
+def test_jupyter_failing_to_start_shows_its_log(up, tmp_path):
+    before = runtime_dirs()
+    bad = tmp_path / "bad-jupyter-config"
+    bad.mkdir()
+    (bad / "jupyter_server_config.json").write_text(
+        '{"ServerApp": {"root_dir": "/nonexistent-tunnel-test"}}'
+    )
+    r = up("--init", f"export JUPYTER_CONFIG_DIR={bad}")
+    assert r.returncode == EXIT["jupyter_failed"], r.stderr
+    assert "jupyter server exited with status 1 before it was ready" in r.stderr
+    assert "last lines of the log" in r.stderr
+    assert "No such directory" in r.stderr and "/nonexistent-tunnel-test" in r.stderr
+    assert runtime_dirs() == before
+
+
+def test_local_port_busy_fails_before_anything_remote(up, sshd):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    try:
+        r = up("--port", str(port))
+    finally:
+        busy.close()
+    assert r.returncode == EXIT["port_busy"], r.stderr
+    assert f"local port {port} is busy" in r.stderr
+    assert "Accepted publickey" not in sshd.log.read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--env", "/nonexistent/tunnel-env"], "--env /nonexistent/tunnel-env: no such directory"),
+        (["--dir", "/nonexistent/tunnel-dir"], "--dir /nonexistent/tunnel-dir: no such directory"),
+        (["--init", "exit_with_3() { return 3; }; exit_with_3"],
+         "the --init command failed with status 3"),
+    ],
+)
+def test_remote_setup_failures(up, args, message):
+    before = runtime_dirs()
+    r = up(*args)
+    assert r.returncode == EXIT["remote_setup"], r.stderr
+    assert message in r.stderr
+    assert runtime_dirs() == before
+
+
+def test_proxy_jump_is_a_clear_config_error(up):
+    r = up(config_options={"ProxyJump": "bastion.example"})
+    assert r.returncode == EXIT["config"], r.stderr
+    assert "ProxyJump bastion.example" in r.stderr and "not support" in r.stderr
+
+
+def test_help_documents_every_exit_code(tunnel_bin, state_dir):
+    r = run_tunnel(tunnel_bin, state_dir, "up", "--help")
+    assert r.returncode == 0
+    for code in EXIT.values():
+        assert f"\n{code:>5}  " in r.stdout, code

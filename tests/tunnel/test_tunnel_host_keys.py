@@ -1,0 +1,83 @@
+"""Host keys: a changed key is refused, always; an unknown one needs --accept-new."""
+
+from __future__ import annotations
+
+import glob
+import subprocess
+import time
+
+import requests
+
+from tunnel_harness import EXIT, port_of, run_tunnel, token_of
+
+
+def fingerprint(pub_path) -> str:
+    out = subprocess.run(["ssh-keygen", "-lf", str(pub_path)], capture_output=True, text=True,
+                         check=True).stdout
+    return out.split()[1]
+
+
+def runtime_dirs() -> set[str]:
+    return set(glob.glob("/tmp/tunnel-jupyter.*"))
+
+
+def test_changed_host_key_is_refused_and_nothing_starts(sshd, state_dir, tunnel_bin, jupyter_prefix):
+    old_fp = fingerprint(f"{sshd.host_key}.pub")
+    known_line = sshd.known_hosts_line()
+    sshd.rotate_host_key()
+    new_fp = fingerprint(f"{sshd.host_key}.pub")
+    assert old_fp != new_fp
+    before = runtime_dirs()
+
+    # Refused with and without --accept-new: only unknown keys may be accepted.
+    for extra in ([], ["--accept-new"]):
+        r = run_tunnel(tunnel_bin, state_dir, "up", "-F", str(sshd.ssh_config), sshd.alias,
+                       "--no-browser", "--env", str(jupyter_prefix), *extra)
+        assert r.returncode == EXIT["host_key_changed"], r.stderr
+        assert "HOST KEY CHANGED" in r.stderr
+        assert new_fp in r.stderr and old_fp in r.stderr
+        assert known_line in r.stderr  # the offending known_hosts line, shown
+        assert f"{sshd.known_hosts}:1" in r.stderr
+        assert r.stdout == ""
+
+    # Nothing authenticated, nothing launched, known_hosts untouched.
+    time.sleep(0.3)
+    assert "Accepted publickey" not in sshd.log.read_text()
+    assert sshd.session_pids() == []
+    assert runtime_dirs() == before
+    assert sshd.known_hosts.read_text().strip() == known_line
+
+
+def test_unknown_host_is_refused_without_accept_new_and_recorded_with_it(
+    tunnel, sshd, state_dir, tunnel_bin, jupyter_prefix, tmp_path
+):
+    sshd.write_known_hosts(known=False)
+    # No StrictHostKeyChecking: ssh's default "ask"; with no terminal that is a refusal.
+    config = tmp_path / "ssh_config"
+    config.write_text(sshd.client_config(StrictHostKeyChecking=None))
+    fp = fingerprint(f"{sshd.host_key}.pub")
+
+    r = run_tunnel(tunnel_bin, state_dir, "up", "-F", str(config), sshd.alias, "--no-browser",
+                   "--env", str(jupyter_prefix))
+    assert r.returncode == EXIT["host_key_unknown"], r.stderr
+    assert fp in r.stderr and "--accept-new" in r.stderr and "no terminal" in r.stderr
+    assert sshd.known_hosts.read_text() == ""
+    assert "Accepted publickey" not in sshd.log.read_text()
+
+    t = tunnel("--app", "server", "--accept-new", config=config)
+    url = t.wait_url()
+    r = requests.get(f"http://127.0.0.1:{port_of(url)}/api/status",
+                     headers={"Authorization": f"token {token_of(url)}"}, timeout=30)
+    assert r.status_code == 200
+    assert t.interrupt_and_wait() == EXIT["ok"], t.stderr
+    assert "permanently added" in t.stderr
+    assert sshd.known_hosts.read_text().split() == sshd.known_hosts_line().split()
+
+    # The recorded key is honoured without --accept-new, also once hashed by ssh-keygen -H.
+    subprocess.run(["ssh-keygen", "-H", "-f", str(sshd.known_hosts)], check=True,
+                   capture_output=True)
+    assert sshd.known_hosts.read_text().startswith("|1|")
+    t = tunnel("--app", "server", config=config)
+    t.wait_url()
+    assert t.interrupt_and_wait() == EXIT["ok"], t.stderr
+    assert "permanently added" not in t.stderr
