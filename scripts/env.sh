@@ -1,0 +1,15 @@
+# Sourced by the scripts: where the cached Python env and cargo target live, and the
+# variables that build tch against the venv's torch. Override GPUNB_CACHE to move them.
+GPUNB_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+GPUNB_CACHE="${GPUNB_CACHE:-$HOME/.cache/gpunb}"
+# One venv per lock file content, so a changed lock never reuses a stale env.
+GPUNB_LOCK_HASH="$(sha256sum "$GPUNB_ROOT/requirements.lock" | cut -c1-12)"
+GPUNB_VENV="${GPUNB_VENV:-$GPUNB_CACHE/venv-$GPUNB_LOCK_HASH}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$GPUNB_CACHE/target}"
+export LIBTORCH_USE_PYTORCH=1
+export PATH="$GPUNB_VENV/bin:$HOME/.cargo/bin:$PATH"
+export VIRTUAL_ENV="$GPUNB_VENV"
+export GPUKERNEL_BIN="$CARGO_TARGET_DIR/release/gpukernel"
+export TUNNEL_BIN="$CARGO_TARGET_DIR/release/tunnel"
+export PYTHONUNBUFFERED=1
+step() { printf '\n==> %s\n' "$*" >&2; }
