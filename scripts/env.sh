@@ -11,5 +11,6 @@ export PATH="$GPUNB_VENV/bin:$HOME/.cargo/bin:$PATH"
 export VIRTUAL_ENV="$GPUNB_VENV"
 export GPUKERNEL_BIN="$CARGO_TARGET_DIR/release/gpukernel"
 export TUNNEL_BIN="$CARGO_TARGET_DIR/release/tunnel"
+export GPUKERNEL_TORCH_PLUGIN="$CARGO_TARGET_DIR/release/libgpuprobe_torch.so"
 export PYTHONUNBUFFERED=1
 step() { printf '\n==> %s\n' "$*" >&2; }

@@ -157,3 +157,12 @@ def test_help_in_the_pager_and_inline(magics_kernel):
     assert page["source"] == "page" and "--watch" in page["data"]["text/plain"]
     reply, outputs = execute(kc, "%gpumem --help")
     assert "Usage: %gpumem" in stream_text(outputs)
+
+
+def test_kernel_does_not_load_libtorch_for_nvml_magics(magics_kernel):
+    """libtorch (and so any CUDA context) is loaded only when a magic needs it."""
+    km, kc = magics_kernel
+    assert execute(kc, "%gpumem")[0]["content"]["status"] == "ok"
+    maps = open(f"/proc/{km.provisioner.process.pid}/maps").read()
+    assert "libtorch" not in maps
+    assert "libcuda" not in maps

@@ -8,6 +8,8 @@ mod kernel;
 mod kernelspec;
 mod magics;
 mod server;
+#[cfg(feature = "torch")]
+mod torch_plugin;
 mod wire;
 
 use anyhow::{Context, Result};
@@ -162,13 +164,33 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// What libtorch reports through the plugin (torch builds), loading it now.
+#[cfg(feature = "torch")]
+fn libtorch_report() -> serde_json::Value {
+    use gpuprobe::plugin_api::{DeviceSpec, Request};
+    let report = torch_plugin::plugin().and_then(|plugin| {
+        let info = plugin.request(&Request::Info)?;
+        let smoke = plugin.request(&Request::Smoke {
+            device: DeviceSpec::Cpu,
+        })?;
+        Ok(serde_json::json!({
+            "plugin": plugin.path.display().to_string(),
+            "info": info,
+            "cpu_smoke_test": smoke,
+        }))
+    });
+    report.unwrap_or_else(|e| serde_json::json!({"error": e.to_string()}))
+}
+
+#[cfg(not(feature = "torch"))]
+fn libtorch_report() -> serde_json::Value {
+    serde_json::json!({"error": "this build has no libtorch support (build with --features torch)"})
+}
+
 /// `gpukernel info`: the build's features and what it sees on this machine.
 fn info(json: bool) {
     let gpus = magics::GpuState::new().snapshot();
-    #[cfg(feature = "torch")]
-    let torch = Some(gpuprobe::torch::libtorch_info());
-    #[cfg(not(feature = "torch"))]
-    let torch: Option<()> = None;
+    let torch = libtorch_report();
     if json {
         let value = serde_json::json!({
             "version": env!("CARGO_PKG_VERSION"),
@@ -200,12 +222,15 @@ fn info(json: bool) {
         }
         Err(e) => println!("NVML: {e}"),
     }
-    match torch {
-        #[cfg(feature = "torch")]
-        Some(t) => println!(
-            "libtorch: CUDA available: {}, CUDA devices: {}, cuDNN: {}",
-            t.cuda_available, t.cuda_device_count, t.cudnn_available
+    match torch.get("error").and_then(serde_json::Value::as_str) {
+        Some(error) => println!("libtorch: {error}"),
+        None => println!(
+            "libtorch: {} (CUDA available: {}, CUDA devices: {}, cuDNN: {}, CPU smoke test: {})",
+            torch["plugin"].as_str().unwrap_or("?"),
+            torch["info"]["cuda_available"],
+            torch["info"]["cuda_device_count"],
+            torch["info"]["cudnn_available"],
+            torch["cpu_smoke_test"]
         ),
-        _ => println!("libtorch: not in this build (build with --features torch)"),
     }
 }

@@ -9,6 +9,7 @@
 
 pub mod error;
 pub mod nvml;
+pub mod plugin_api;
 pub mod process;
 #[cfg(feature = "torch")]
 pub mod torch;

@@ -165,7 +165,7 @@ impl Registry {
                 .filter(|m| m.name().starts_with(rest))
                 .map(|m| format!("%{}", m.name()))
                 .collect();
-            return (!matches.is_empty()).then(|| Completion {
+            return (!matches.is_empty()).then_some(Completion {
                 matches,
                 cursor_start: line_start_cp,
                 cursor_end: cursor_pos,

@@ -1,0 +1,5 @@
+include!("../torch_link.rs");
+
+fn main() {
+    link_libtorch();
+}
