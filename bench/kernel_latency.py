@@ -40,6 +40,8 @@ class Kernel:
         ctx = zmq.Context.instance()
         self.shell = ctx.socket(zmq.DEALER)
         self.shell.linger = 0
+        # Retry the connect every 2 ms (default 100 ms) so the start time is the kernel's.
+        self.shell.setsockopt(zmq.RECONNECT_IVL, 2)
         self.shell.connect(f"tcp://127.0.0.1:{info['shell_port']}")
         self.iopub = ctx.socket(zmq.SUB)
         self.iopub.linger = 0
