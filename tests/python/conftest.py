@@ -34,11 +34,12 @@ GPUKERNEL = find_binary("gpukernel", "GPUKERNEL_BIN")
 # Kernelspecs go into a private prefix, found through JUPYTER_PATH, before any test module
 # creates a KernelManager (jupyter_kernel_test starts kernels in setUpClass).
 _PREFIX = Path(tempfile.mkdtemp(prefix="gpukernel-specs-"))
-subprocess.run(
-    [str(GPUKERNEL), "install", "--magics-only", "--prefix", str(_PREFIX)],
-    check=True,
-    capture_output=True,
-)
+for extra in (["--magics-only"], ["--python", sys.executable]):
+    subprocess.run(
+        [str(GPUKERNEL), "install", "--prefix", str(_PREFIX), *extra],
+        check=True,
+        capture_output=True,
+    )
 os.environ["JUPYTER_PATH"] = str(_PREFIX / "share" / "jupyter")
 # Keep the user's own runtime/config out of the tests.
 os.environ.setdefault("JUPYTER_PLATFORM_DIRS", "1")

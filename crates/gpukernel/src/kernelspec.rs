@@ -6,6 +6,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 const MAGICS_TEMPLATE: &str = include_str!("../../../kernelspec/gpu-magics/kernel.json");
+const PYTHON_TEMPLATE: &str = include_str!("../../../kernelspec/gpu-python/kernel.json");
 const LOGOS: [(&str, &[u8]); 3] = [
     (
         "logo-32x32.png",
@@ -22,6 +23,7 @@ const LOGOS: [(&str, &[u8]); 3] = [
 ];
 
 pub const MAGICS_NAME: &str = "gpu-magics";
+pub const PYTHON_NAME: &str = "gpu-python";
 
 /// Where kernelspecs go, as `jupyter kernelspec install` names it.
 #[derive(Debug, Clone)]
@@ -68,22 +70,66 @@ fn python_prefix() -> Result<PathBuf> {
     Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
+/// Which kernel the spec starts.
+pub enum Kind {
+    /// `gpu-magics`: magics only.
+    MagicsOnly,
+    /// `gpu-python`: a proxy in front of ipykernel run by this Python interpreter.
+    Python { python: PathBuf },
+}
+
 /// What to install.
 pub struct Spec {
     pub name: String,
     pub display_name: Option<String>,
+    pub kind: Kind,
 }
 
-/// Builds kernel.json from the template, pointing argv at `binary`.
-pub fn render(binary: &Path, display_name: Option<&str>) -> Result<Value> {
-    let mut spec: Value = serde_json::from_str(MAGICS_TEMPLATE).context("kernelspec template")?;
+/// The Python that `gpu-python` runs ipykernel with: `$VIRTUAL_ENV`/`$CONDA_PREFIX`'s, else the
+/// first python3 on PATH, as an absolute path so the spec does not depend on PATH later.
+pub fn default_python() -> Result<PathBuf> {
+    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        if let Some(dir) = std::env::var_os(var).filter(|d| !d.is_empty()) {
+            let python = PathBuf::from(dir).join("bin/python3");
+            if python.exists() {
+                return Ok(python);
+            }
+        }
+    }
+    let out = std::process::Command::new("python3")
+        .args(["-c", "import sys; print(sys.executable)"])
+        .output()
+        .context("no python3 on PATH: pass --python PATH")?;
+    if !out.status.success() {
+        bail!("python3 could not report its path: pass --python PATH");
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// Builds kernel.json from the template, pointing argv at `binary` (and the Python).
+pub fn render(binary: &Path, kind: &Kind, display_name: Option<&str>) -> Result<Value> {
+    let template = match kind {
+        Kind::MagicsOnly => MAGICS_TEMPLATE,
+        Kind::Python { .. } => PYTHON_TEMPLATE,
+    };
+    let mut spec: Value = serde_json::from_str(template).context("kernelspec template")?;
     let binary = binary
         .to_str()
         .context("the gpukernel path is not valid UTF-8")?;
+    let python = match kind {
+        Kind::Python { python } => Some(
+            python
+                .to_str()
+                .context("the Python path is not valid UTF-8")?,
+        ),
+        Kind::MagicsOnly => None,
+    };
     if let Some(argv) = spec.get_mut("argv").and_then(Value::as_array_mut) {
         for arg in argv.iter_mut() {
             if arg == "{gpukernel}" {
                 *arg = Value::String(binary.to_string());
+            } else if let (true, Some(python)) = (arg == "{python}", python) {
+                *arg = Value::String(python.to_string());
             }
         }
     }
@@ -113,7 +159,21 @@ pub fn install(location: &Location, spec: &Spec) -> Result<PathBuf> {
         .context("cannot find the gpukernel binary's own path")?;
     let dir = location.kernels_dir()?.join(&spec.name);
     fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let json = render(&binary, spec.display_name.as_deref())?;
+    if let Kind::Python { python } = &spec.kind {
+        let ok = std::process::Command::new(python)
+            .args(["-c", "import ipykernel"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        if !ok {
+            bail!(
+                "{} cannot import ipykernel: install it there (pip install ipykernel) or pass \
+                 --python PATH of a Python that has it",
+                python.display()
+            );
+        }
+    }
+    let json = render(&binary, &spec.kind, spec.display_name.as_deref())?;
     let text = serde_json::to_string_pretty(&json)? + "\n";
     fs::write(dir.join("kernel.json"), text)
         .with_context(|| format!("cannot write {}", dir.join("kernel.json").display()))?;
@@ -158,6 +218,7 @@ mod tests {
         let spec = Spec {
             name: MAGICS_NAME.into(),
             display_name: Some("My GPUs".into()),
+            kind: Kind::MagicsOnly,
         };
         let dir = install(&location, &spec).unwrap();
         assert_eq!(dir, tmp.path().join("share/jupyter/kernels/gpu-magics"));
@@ -174,12 +235,44 @@ mod tests {
     }
 
     #[test]
+    fn python_spec_runs_ipykernel_behind_the_proxy() {
+        let kind = Kind::Python {
+            python: PathBuf::from("/env/bin/python3"),
+        };
+        let json = render(Path::new("/bin/gpukernel"), &kind, None).unwrap();
+        let argv: Vec<&str> = json["argv"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        assert_eq!(
+            argv,
+            [
+                "/bin/gpukernel",
+                "run",
+                "-f",
+                "{connection_file}",
+                "--",
+                "/env/bin/python3",
+                "-m",
+                "ipykernel_launcher",
+                "-f",
+                "{child_connection_file}"
+            ]
+        );
+        assert_eq!(json["display_name"], "Python 3 (GPU magics)");
+        assert_eq!(json["language"], "python");
+    }
+
+    #[test]
     fn refuses_bad_names_and_foreign_specs() {
         let tmp = tempfile::tempdir().unwrap();
         let location = Location::Prefix(tmp.path().to_path_buf());
         let bad = Spec {
             name: "../x".into(),
             display_name: None,
+            kind: Kind::MagicsOnly,
         };
         assert!(install(&location, &bad).is_err());
         let foreign = tmp.path().join("share/jupyter/kernels/python3");

@@ -7,6 +7,7 @@
 mod kernel;
 mod kernelspec;
 mod magics;
+mod proxy;
 mod server;
 #[cfg(feature = "torch")]
 mod torch_plugin;
@@ -41,8 +42,12 @@ enum Command {
         #[arg(short = 'f', long = "connection-file", value_name = "FILE")]
         connection_file: PathBuf,
         /// Answer magics only, with no Python kernel behind (the `gpu-magics` kernelspec).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "child")]
         magics_only: bool,
+        /// The child kernel's command line (default: python3 -m ipykernel_launcher -f
+        /// {child_connection_file}).
+        #[arg(last = true, value_name = "CHILD_ARGV")]
+        child: Vec<String>,
     },
     /// Install the kernelspec so Jupyter lists this kernel.
     Install {
@@ -54,16 +59,19 @@ enum Command {
         /// Name shown in Jupyter's launcher.
         #[arg(long)]
         display_name: Option<String>,
-        /// Install the magics-only kernel (`gpu-magics`).
+        /// Install the magics-only kernel (`gpu-magics`) instead of `gpu-python`.
         #[arg(long)]
         magics_only: bool,
+        /// The Python whose ipykernel `gpu-python` runs (default: the active env's python3).
+        #[arg(long, value_name = "PATH", conflicts_with = "magics_only")]
+        python: Option<PathBuf>,
     },
     /// Remove a kernelspec installed by `gpukernel install`.
     Uninstall {
         #[command(flatten)]
         location: LocationArgs,
         /// Kernelspec name to remove.
-        #[arg(long, default_value = kernelspec::MAGICS_NAME)]
+        #[arg(long, default_value = kernelspec::PYTHON_NAME)]
         name: String,
     },
     /// Show what this build sees: GPUs through NVML and, in torch builds, libtorch and CUDA.
@@ -119,20 +127,35 @@ fn main() -> Result<()> {
         Command::Run {
             connection_file,
             magics_only,
+            child,
         } => {
-            if !magics_only {
-                anyhow::bail!(
-                    "this version of gpukernel runs only the magics-only kernel: pass --magics-only \
-                     (the Python proxy kernel, gpu-python, is not part of this build yet)"
-                );
-            }
             let info = server::read_connection_file(&connection_file)?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
                 .build()
                 .context("cannot start the async runtime")?;
-            runtime.block_on(kernel::run(info))?;
+            if magics_only {
+                runtime.block_on(kernel::run(info))?;
+            } else {
+                let child = if child.is_empty() {
+                    [
+                        "python3",
+                        "-m",
+                        "ipykernel_launcher",
+                        "-f",
+                        "{child_connection_file}",
+                    ]
+                    .map(String::from)
+                    .to_vec()
+                } else {
+                    child
+                };
+                if let Err(e) = runtime.block_on(proxy::run(info, child, &connection_file)) {
+                    eprintln!("gpukernel: {e:#}");
+                    std::process::exit(1);
+                }
+            }
             // Magics may still be blocked in C on worker threads; do not wait for them.
             std::process::exit(0);
         }
@@ -141,16 +164,21 @@ fn main() -> Result<()> {
             name,
             display_name,
             magics_only,
+            python,
         } => {
-            if !magics_only {
-                anyhow::bail!(
-                    "only the magics-only kernelspec can be installed by this version: \
-                     pass --magics-only"
-                );
-            }
+            let (kind, default_name) = if magics_only {
+                (kernelspec::Kind::MagicsOnly, kernelspec::MAGICS_NAME)
+            } else {
+                let python = match python {
+                    Some(p) => p,
+                    None => kernelspec::default_python()?,
+                };
+                (kernelspec::Kind::Python { python }, kernelspec::PYTHON_NAME)
+            };
             let spec = kernelspec::Spec {
-                name: name.unwrap_or_else(|| kernelspec::MAGICS_NAME.to_string()),
+                name: name.unwrap_or_else(|| default_name.to_string()),
                 display_name,
+                kind,
             };
             let dir = kernelspec::install(&location.location(), &spec)?;
             println!("Installed kernelspec {} in {}", spec.name, dir.display());

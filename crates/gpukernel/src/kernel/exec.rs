@@ -1,6 +1,7 @@
 //! Running one magic on a worker thread and turning its outputs into iopub messages.
 //! This is the one place where magics meet the protocol.
 
+use crate::magics::python::PythonKernel;
 use crate::magics::{
     cell::MagicLine, Bundle, CancelToken, GpuState, MagicContext, MagicError, Output, OutputSink,
     Registry,
@@ -14,6 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 pub struct Engine {
     pub registry: Registry,
     pub gpu: GpuState,
+    pub python: Option<Arc<dyn PythonKernel>>,
 }
 
 /// Publishes a magic's outputs as children of one execute_request.
@@ -142,6 +144,7 @@ pub async fn run_magic(
             cancel: &cancel,
             gpu: &engine.gpu,
             registry: &engine.registry,
+            python: engine.python.as_deref(),
         };
         engine.registry.execute(&line, &ctx)
     })

@@ -58,7 +58,11 @@ impl Kernel {
 }
 
 /// Receives, verifies and parses; a bad message is logged and dropped (the loop goes on).
-fn accept(session: &Session, channel: &str, frames: ZmqMessage) -> Option<(RawMessage, String)> {
+pub(crate) fn accept(
+    session: &Session,
+    channel: &str,
+    frames: ZmqMessage,
+) -> Option<(RawMessage, String)> {
     let msg = match RawMessage::from_zmq(frames) {
         Ok(msg) => msg,
         Err(e) => {
@@ -79,7 +83,7 @@ fn accept(session: &Session, channel: &str, frames: ZmqMessage) -> Option<(RawMe
     }
 }
 
-async fn send(socket: &mut RouterSendHalf, message: ZmqMessage) {
+pub(crate) async fn send(socket: &mut RouterSendHalf, message: ZmqMessage) {
     // A client may vanish between request and reply; that must not end the loop.
     if let Err(e) = socket.send(message).await {
         tracing::warn!("reply not delivered: {e}");
@@ -102,6 +106,7 @@ pub async fn run(info: ConnectionInfo) -> anyhow::Result<()> {
         engine: Arc::new(Engine {
             registry: Registry::new(),
             gpu: GpuState::new(),
+            python: None,
         }),
         state: Mutex::new(State::default()),
     });

@@ -1,5 +1,6 @@
 //! `%gpumem`: memory per GPU and per process, read through NVML (no CUDA context needed).
 
+use super::python::TorchState;
 use super::{bundle, html_escape, parse_args, Bundle, Magic, MagicContext, MagicError, Output};
 use clap::{CommandFactory, Parser};
 use gpuprobe::units::human_bytes;
@@ -53,22 +54,30 @@ impl Magic for GpuMem {
             return Ok(());
         };
         let snapshot = ctx.gpu.snapshot();
-        if args.json {
-            ctx.out.emit(Output::Result {
-                data: json_bundle(&snapshot),
-            });
-            return Ok(());
-        }
         let Some(interval) = args.watch else {
-            ctx.out.emit(Output::Display {
-                data: render(&snapshot),
-                display_id: None,
+            // Only one-off reads ask the Python kernel: a gauge must not queue work there.
+            let python = ctx.python.map(|p| PythonView {
+                pid: p.pid(),
+                torch: p.torch(),
+            });
+            let data = if args.json {
+                json_bundle(&snapshot, python.as_ref())
+            } else {
+                render(&snapshot, python.as_ref())
+            };
+            ctx.out.emit(if args.json {
+                Output::Result { data }
+            } else {
+                Output::Display {
+                    data,
+                    display_id: None,
+                }
             });
             return Ok(());
         };
         let display_id = format!("gpumem-watch-{}", uuid::Uuid::new_v4());
         ctx.out.emit(Output::Display {
-            data: render(&snapshot),
+            data: render(&snapshot, None),
             display_id: Some(display_id.clone()),
         });
         let mut updates = 1;
@@ -77,7 +86,7 @@ impl Magic for GpuMem {
                 return Err(MagicError::interrupted());
             }
             ctx.out.emit(Output::Update {
-                data: render(&ctx.gpu.snapshot()),
+                data: render(&ctx.gpu.snapshot(), None),
                 display_id: display_id.clone(),
             });
             updates += 1;
@@ -86,8 +95,58 @@ impl Magic for GpuMem {
     }
 }
 
-fn json_bundle(snapshot: &Result<GpuSnapshot, ProbeError>) -> Bundle {
-    let value = match snapshot {
+/// The Python kernel behind a proxy kernel, as one read saw it.
+pub struct PythonView {
+    pub pid: u32,
+    pub torch: Result<TorchState, String>,
+}
+
+fn python_json(python: Option<&PythonView>) -> Value {
+    match python {
+        None => Value::Null,
+        Some(p) => json!({
+            "pid": p.pid,
+            "torch": match &p.torch {
+                Ok(state) => serde_json::to_value(state).unwrap_or(Value::Null),
+                Err(e) => json!({"error": e}),
+            },
+        }),
+    }
+}
+
+fn python_text(python: &PythonView) -> String {
+    let pid = python.pid;
+    match &python.torch {
+        Err(e) => format!("Python kernel (pid {pid}): could not read torch's state: {e}\n"),
+        Ok(t) if !t.imported => format!("Python kernel (pid {pid}): torch not imported.\n"),
+        Ok(t) if !t.cuda_initialized => format!(
+            "Python kernel (pid {pid}): torch {} imported; CUDA not initialised (no GPU memory held).\n",
+            t.version.as_deref().unwrap_or("?")
+        ),
+        Ok(t) => {
+            let mut text = format!(
+                "Python kernel (pid {pid}): torch {}, caching allocator per device:\n{:>3}  {:>10} {:>10} {:>10} {:>12} {:>5}\n",
+                t.version.as_deref().unwrap_or("?"),
+                "GPU", "allocated", "reserved", "peak", "reclaimable", "OOMs"
+            );
+            for d in &t.devices {
+                text.push_str(&format!(
+                    "{:>3}  {:>10} {:>10} {:>10} {:>12} {:>5}\n",
+                    d.index,
+                    human_bytes(d.allocated),
+                    human_bytes(d.reserved),
+                    human_bytes(d.peak_allocated),
+                    human_bytes(d.reserved.saturating_sub(d.allocated)),
+                    d.num_ooms
+                ));
+            }
+            text
+        }
+    }
+}
+
+fn json_bundle(snapshot: &Result<GpuSnapshot, ProbeError>, python: Option<&PythonView>) -> Bundle {
+    let mut value = match snapshot {
         Ok(s) => {
             let mut v = serde_json::to_value(s).unwrap_or(Value::Null);
             if let Some(map) = v.as_object_mut() {
@@ -97,6 +156,9 @@ fn json_bundle(snapshot: &Result<GpuSnapshot, ProbeError>) -> Bundle {
         }
         Err(e) => json!({"available": false, "reason": e.to_string()}),
     };
+    if let Some(map) = value.as_object_mut() {
+        map.insert("python_kernel".into(), python_json(python));
+    }
     let mut data = bundle(
         serde_json::to_string_pretty(&value).unwrap_or_default(),
         None,
@@ -134,12 +196,13 @@ fn percent(part: u64, whole: u64) -> f64 {
     }
 }
 
-/// Text and HTML tables of a snapshot.
-pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>) -> Bundle {
+/// Text and HTML tables of a snapshot, and the Python kernel's torch state when known.
+pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>, python: Option<&PythonView>) -> Bundle {
+    let python_part = python.map(python_text).unwrap_or_default();
     let snapshot = match snapshot {
         Ok(s) => s,
         Err(e) => {
-            let text = unavailable_text(e);
+            let text = format!("{}\n{python_part}", unavailable_text(e));
             let html = format!("<pre>{}</pre>", html_escape(&text));
             return bundle(text, Some(html));
         }
@@ -227,6 +290,8 @@ pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>) -> Bundle {
                 .unwrap_or_else(|| "(not visible from here)".into());
             if p.pid == me {
                 command = format!("(this gpukernel) {command}");
+            } else if python.is_some_and(|py| py.pid == p.pid) {
+                command = format!("(Python kernel) {command}");
             }
             text.push_str(&format!(
                 "{index:>3}  {:>8}  {:<10} {:>10}  {}\n",
@@ -252,6 +317,11 @@ pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>) -> Bundle {
         .map(|v| format!(", CUDA {v}"))
         .unwrap_or_default();
     text.push_str(&format!("\ndriver {}{cuda}\n", snapshot.driver_version));
+    if !python_part.is_empty() {
+        text.push('\n');
+        text.push_str(&python_part);
+        html.push_str(&format!("<pre>{}</pre>", html_escape(&python_part)));
+    }
     html.push_str(&format!(
         "<p style=\"font-size:smaller\">driver {}{}</p>",
         html_escape(&snapshot.driver_version),
@@ -293,7 +363,7 @@ mod tests {
 
     #[test]
     fn renders_gpus_and_processes() {
-        let data = render(&Ok(snapshot()));
+        let data = render(&Ok(snapshot()), None);
         let text = data["text/plain"].as_str().unwrap();
         assert!(text.contains("NVIDIA H200"));
         assert!(text.contains("10.0 GiB"));
@@ -305,18 +375,65 @@ mod tests {
 
     #[test]
     fn no_driver_is_a_message_not_an_error() {
-        let data = render(&Err(ProbeError::NoDriver(
-            "libnvidia-ml.so.1: not found".into(),
-        )));
+        let data = render(
+            &Err(ProbeError::NoDriver("libnvidia-ml.so.1: not found".into())),
+            None,
+        );
         let text = data["text/plain"].as_str().unwrap();
         assert!(text.starts_with("No NVIDIA GPU is visible here"));
-        let json = json_bundle(&Err(ProbeError::NoDriver("x".into())));
+        let json = json_bundle(&Err(ProbeError::NoDriver("x".into())), None);
         assert_eq!(json["application/json"]["available"], false);
     }
 
     #[test]
+    fn python_kernel_state_is_shown_and_its_process_marked() {
+        let mut snap = snapshot();
+        snap.gpus[0].processes[0].pid = 4242;
+        let python = PythonView {
+            pid: 4242,
+            torch: Ok(TorchState {
+                imported: true,
+                version: Some("2.11.0".into()),
+                cuda_initialized: true,
+                devices: vec![crate::magics::python::DeviceMemory {
+                    index: 0,
+                    allocated: 1 << 30,
+                    reserved: 3 << 30,
+                    peak_allocated: 2 << 30,
+                    num_ooms: 1,
+                }],
+            }),
+        };
+        let data = render(&Ok(snap), Some(&python));
+        let text = data["text/plain"].as_str().unwrap();
+        assert!(text.contains("(Python kernel) python"), "{text}");
+        assert!(text.contains("torch 2.11.0, caching allocator"), "{text}");
+        assert!(
+            text.contains("2.00 GiB"),
+            "reclaimable = reserved - allocated: {text}"
+        );
+        let not_imported = PythonView {
+            pid: 1,
+            torch: Ok(TorchState {
+                imported: false,
+                version: None,
+                cuda_initialized: false,
+                devices: vec![],
+            }),
+        };
+        let data = render(
+            &Err(ProbeError::NoDriver("none".into())),
+            Some(&not_imported),
+        );
+        assert!(data["text/plain"]
+            .as_str()
+            .unwrap()
+            .contains("torch not imported"));
+    }
+
+    #[test]
     fn json_carries_the_figures() {
-        let json = json_bundle(&Ok(snapshot()));
+        let json = json_bundle(&Ok(snapshot()), None);
         assert_eq!(
             json["application/json"]["gpus"][0]["memory_total"],
             140u64 << 30

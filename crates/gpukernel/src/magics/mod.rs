@@ -7,6 +7,7 @@ mod echo;
 mod gpumem;
 mod help;
 mod output;
+pub mod python;
 mod state;
 
 pub use cancel::CancelToken;
@@ -21,6 +22,8 @@ pub struct MagicContext<'a> {
     pub cancel: &'a CancelToken,
     pub gpu: &'a GpuState,
     pub registry: &'a Registry,
+    /// The Python kernel behind us (proxy mode); `None` in the magics-only kernel.
+    pub python: Option<&'a dyn python::PythonKernel>,
 }
 
 impl MagicContext<'_> {

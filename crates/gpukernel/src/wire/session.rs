@@ -37,6 +37,35 @@ impl Session {
         }
     }
 
+    /// This session's id (the `session` field of every header we write).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Signs frames we assembled ourselves (for requests made on a client's behalf).
+    pub fn signed(
+        &self,
+        identities: Vec<Bytes>,
+        header: Bytes,
+        parent_header: Bytes,
+        metadata: Bytes,
+        content: Bytes,
+    ) -> ZmqMessage {
+        let signature = self
+            .signer
+            .sign([&header, &parent_header, &metadata, &content]);
+        RawMessage {
+            identities,
+            signature: Bytes::from(signature),
+            header,
+            parent_header,
+            metadata,
+            content,
+            buffers: Vec::new(),
+        }
+        .into_zmq()
+    }
+
     pub fn verify(&self, msg: &RawMessage) -> Result<(), WireError> {
         msg.verify(&self.signer)
     }
@@ -71,21 +100,13 @@ impl Session {
         let parent_header = parent
             .map(|p| p.header.clone())
             .unwrap_or_else(|| Bytes::from_static(b"{}"));
-        let metadata = Bytes::from_static(b"{}");
-        let content = Bytes::from(content.to_string());
-        let signature = self
-            .signer
-            .sign([&header, &parent_header, &metadata, &content]);
-        RawMessage {
+        self.signed(
             identities,
-            signature: Bytes::from(signature),
             header,
             parent_header,
-            metadata,
-            content,
-            buffers: Vec::new(),
-        }
-        .into_zmq()
+            Bytes::from_static(b"{}"),
+            Bytes::from(content.to_string()),
+        )
     }
 }
 

@@ -1,0 +1,149 @@
+//! A cell that mixes our magics with Python: run top to bottom, outputs in order, one
+//! execution count (the Python kernel's), stop at the first failure, history as IPython keeps it.
+//!
+//! Python parts run in the child under the frontend's own header with store_history off; our
+//! magics run here in between. At the end one silent execute stores the whole cell in IPython's
+//! history and advances its counter, so `In`, `%history` and the next count are what a plain
+//! IPython cell would give.
+
+use super::python::record_history_code;
+use super::Proxy;
+use crate::kernel::exec::{run_magic, IopubSink};
+use crate::magics::{cell::Segment, MagicError};
+use crate::wire::{Parent, RawMessage};
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+fn error_of(reply: &Value) -> MagicError {
+    MagicError {
+        ename: reply["ename"].as_str().unwrap_or("Error").to_string(),
+        evalue: reply["evalue"].as_str().unwrap_or("").to_string(),
+        traceback: reply["traceback"]
+            .as_array()
+            .map(|t| {
+                t.iter()
+                    .filter_map(|l| l.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
+}
+
+/// Runs the cell and returns the execute_reply content.
+pub async fn execute(
+    proxy: &Arc<Proxy>,
+    request: &RawMessage,
+    content: &Value,
+    segments: Vec<Segment>,
+    parent: &Parent,
+) -> Value {
+    let code = content["code"].as_str().unwrap_or("");
+    let silent = content["silent"].as_bool().unwrap_or(false);
+    let store_history = !silent && content["store_history"].as_bool().unwrap_or(true);
+    let link = &proxy.link;
+
+    // Waits for earlier cells, and tells us the count this cell gets.
+    let count = match link.silent_execute("", &json!({})).await {
+        Ok(reply) => reply["execution_count"].as_u64().unwrap_or(0) + 1,
+        Err(e) => {
+            return json!({"status": "error", "ename": "KernelError", "evalue": e.to_string(),
+                          "traceback": [e.to_string()], "execution_count": 0,
+                          "user_expressions": {}, "payload": []});
+        }
+    };
+    if !silent {
+        proxy.iopub.send(proxy.session.iopub(
+            Some(parent),
+            "execute_input",
+            &json!({"code": code, "execution_count": count}),
+        ));
+    }
+    let msg_id = request
+        .header_json()
+        .ok()
+        .and_then(|h| h["msg_id"].as_str().map(str::to_owned))
+        .unwrap_or_default();
+    link.begin_cell(&msg_id);
+
+    let cancel = proxy.start_running();
+    let sink = Arc::new(IopubSink::new(
+        proxy.session.clone(),
+        proxy.iopub.clone(),
+        parent.clone(),
+        silent,
+        count,
+    ));
+    let mut payload: Vec<Value> = Vec::new();
+    let mut python_parts = 0;
+    let mut failure: Option<MagicError> = None;
+    for segment in segments {
+        match segment {
+            Segment::Other(text) if text.trim().is_empty() => {}
+            Segment::Other(text) => {
+                let mut part = content.clone();
+                part["code"] = Value::String(text);
+                part["store_history"] = Value::Bool(false);
+                part["user_expressions"] = json!({});
+                // We stop the cell ourselves; the child must not abort our follow-up requests.
+                part["stop_on_error"] = Value::Bool(false);
+                match link.execute_as(request, &part).await {
+                    Ok(reply) => {
+                        python_parts += 1;
+                        link.wait_idles(python_parts).await;
+                        if let Some(p) = reply["payload"].as_array() {
+                            payload.extend(p.iter().cloned());
+                        }
+                        if reply["status"] != "ok" {
+                            failure = Some(error_of(&reply));
+                        }
+                    }
+                    Err(e) => failure = Some(MagicError::new("KernelError", e.to_string())),
+                }
+            }
+            Segment::Magic(line) => {
+                if let Err(e) =
+                    run_magic(proxy.engine.clone(), line, sink.clone(), cancel.clone()).await
+                {
+                    sink.error(&e);
+                    failure = Some(e);
+                }
+            }
+        }
+        if failure.is_some() {
+            break;
+        }
+    }
+    payload.extend(
+        sink.take_pages()
+            .into_iter()
+            .map(|data| json!({"source": "page", "data": data, "start": 0})),
+    );
+    proxy.stop_running();
+
+    // History and counter, plus the request's user_expressions, in one silent execute.
+    let bookkeeping = if store_history {
+        record_history_code(count, code)
+    } else {
+        String::new()
+    };
+    let asked = content
+        .get("user_expressions")
+        .cloned()
+        .unwrap_or(json!({}));
+    let user_expressions = match link.silent_execute(&bookkeeping, &asked).await {
+        Ok(reply) => reply.get("user_expressions").cloned().unwrap_or(json!({})),
+        Err(e) => {
+            tracing::warn!("could not record the cell in IPython's history: {e}");
+            json!({})
+        }
+    };
+    link.end_cell();
+
+    match failure {
+        None => json!({"status": "ok", "execution_count": count,
+                       "user_expressions": user_expressions, "payload": payload}),
+        Some(e) => json!({"status": "error", "execution_count": count, "ename": e.ename,
+                          "evalue": e.evalue, "traceback": e.traceback,
+                          "user_expressions": user_expressions, "payload": []}),
+    }
+}

@@ -1,0 +1,340 @@
+//! Proxy mode (the `gpu-python` kernel): a child kernel (ipykernel) does the Python; we sit in
+//! front, forward every message untouched, and answer only our own magics.
+//!
+//! Routing: frontend shell -> (execute_request containing our magics? -> [`mixed`]; completion
+//! on our magics -> merged reply; inspect of our magic -> our help; else -> child, raw).
+//! Replies and iopub from the child come back raw; see [`link`] for what is held back.
+
+mod child;
+mod link;
+mod mixed;
+mod python;
+
+use crate::kernel::exec::Engine;
+use crate::kernel::{accept, replies, send};
+use crate::magics::{cell, CancelToken, GpuState, Registry};
+use crate::server::{spawn_heartbeat, spawn_iopub, Channels, Iopub};
+use crate::wire::{Parent, RawMessage, Session, Signer};
+use anyhow::Result;
+use jupyter_protocol::ConnectionInfo;
+use link::ChildLink;
+use serde_json::{json, Value};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use zeromq::{DealerRecvHalf, RouterRecvHalf, RouterSendHalf, SocketRecv, SocketSend};
+
+pub struct Proxy {
+    session: Arc<Session>,
+    iopub: Iopub,
+    engine: Arc<Engine>,
+    link: Arc<ChildLink>,
+    running: Mutex<Option<CancelToken>>,
+    shutting_down: AtomicBool,
+}
+
+impl Proxy {
+    fn start_running(&self) -> CancelToken {
+        let token = CancelToken::new();
+        *self.running.lock().unwrap_or_else(PoisonError::into_inner) = Some(token.clone());
+        token
+    }
+
+    fn stop_running(&self) {
+        *self.running.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+
+    fn interrupt_magic(&self) {
+        if let Some(token) = &*self.running.lock().unwrap_or_else(PoisonError::into_inner) {
+            token.cancel();
+        }
+    }
+
+    fn status(&self, parent: &Parent, state: &str) {
+        self.iopub.send(self.session.iopub(
+            Some(parent),
+            "status",
+            &json!({"execution_state": state}),
+        ));
+    }
+}
+
+/// Child replies: ours (no envelope) to the waiting caller, the frontend's straight back.
+fn spawn_reply_router(
+    mut from_child: DealerRecvHalf,
+    mut to_frontend: RouterSendHalf,
+    link: Arc<ChildLink>,
+) {
+    tokio::spawn(async move {
+        while let Ok(frames) = from_child.recv().await {
+            match RawMessage::from_zmq(frames) {
+                Ok(msg) if msg.identities.is_empty() => link.deliver(msg),
+                Ok(msg) => send(&mut to_frontend, msg.into_zmq()).await,
+                Err(e) => tracing::warn!("malformed reply from the child: {e}"),
+            }
+        }
+    });
+}
+
+/// Raw frames one way, for stdin (input_request / input_reply).
+fn spawn_pipe_to_frontend(mut from: DealerRecvHalf, mut to: RouterSendHalf) {
+    tokio::spawn(async move {
+        while let Ok(frames) = from.recv().await {
+            send(&mut to, frames).await;
+        }
+    });
+}
+
+fn spawn_pipe_to_child(
+    mut from: RouterRecvHalf,
+    to: zeromq::DealerSendHalf,
+    session: Arc<Session>,
+) {
+    tokio::spawn(async move {
+        let mut to = to;
+        while let Ok(frames) = from.recv().await {
+            // Checked here too: nothing forged reaches the child through us.
+            let Some((msg, _)) = accept(&session, "stdin", frames) else {
+                continue;
+            };
+            if let Err(e) = to.send(msg.into_zmq()).await {
+                tracing::warn!("stdin to child: {e}");
+            }
+        }
+    });
+}
+
+/// Runs the proxy until the frontend shuts it down or the child dies.
+pub async fn run(
+    info: ConnectionInfo,
+    child_argv: Vec<String>,
+    connection_file: &Path,
+) -> Result<()> {
+    let signer = Signer::new(&info.signature_scheme, &info.key)?;
+    let session = Arc::new(Session::new(signer));
+    let channels = Channels::bind(&info).await?;
+    let iopub = spawn_iopub(channels.iopub, session.clone());
+    spawn_heartbeat(channels.heartbeat);
+
+    let (mut child, sockets) = child::start(
+        &child_argv,
+        &info.key,
+        &info.signature_scheme,
+        connection_file,
+    )
+    .await?;
+    let child_pid = child.pid;
+    let (child_shell_send, child_shell_recv) = sockets.shell.split();
+    let (child_control_send, child_control_recv) = sockets.control.split();
+    let (child_stdin_send, child_stdin_recv) = sockets.stdin.split();
+    let link = Arc::new(ChildLink::new(
+        session.clone(),
+        child_shell_send,
+        child_control_send,
+    ));
+
+    let proxy = Arc::new(Proxy {
+        session: session.clone(),
+        iopub: iopub.clone(),
+        engine: Arc::new(Engine {
+            registry: Registry::new(),
+            gpu: GpuState::new(),
+            python: Some(Arc::new(python::ChildPython {
+                link: link.clone(),
+                pid: child_pid,
+                runtime: tokio::runtime::Handle::current(),
+            })),
+        }),
+        link: link.clone(),
+        running: Mutex::new(None),
+        shutting_down: AtomicBool::new(false),
+    });
+
+    let (front_shell_send, mut front_shell_recv) = channels.shell.split();
+    let (front_control_send, mut front_control_recv) = channels.control.split();
+    let (front_stdin_send, front_stdin_recv) = channels.stdin.split();
+    spawn_reply_router(child_shell_recv, front_shell_send.clone(), link.clone());
+    spawn_reply_router(child_control_recv, front_control_send, link.clone());
+    spawn_pipe_to_frontend(child_stdin_recv, front_stdin_send);
+    spawn_pipe_to_child(front_stdin_recv, child_stdin_send, session.clone());
+
+    // Child iopub -> ours, filtered (see link::ChildLink::should_forward).
+    let mut child_iopub = sockets.iopub;
+    let iopub_link = link.clone();
+    let iopub_out = iopub.clone();
+    tokio::spawn(async move {
+        while let Ok(frames) = child_iopub.recv().await {
+            match RawMessage::from_zmq(frames) {
+                Ok(msg) if iopub_link.should_forward(&msg) => iopub_out.send(msg.into_zmq()),
+                Ok(_) => {}
+                Err(e) => tracing::warn!("malformed iopub message from the child: {e}"),
+            }
+        }
+    });
+
+    // Control: interrupts also stop our magic; everything goes on to the child.
+    let control_proxy = proxy.clone();
+    tokio::spawn(async move {
+        while let Ok(frames) = front_control_recv.recv().await {
+            let Some((msg, msg_type)) = accept(&control_proxy.session, "control", frames) else {
+                continue;
+            };
+            match msg_type.as_str() {
+                "interrupt_request" => control_proxy.interrupt_magic(),
+                "shutdown_request" => control_proxy.shutting_down.store(true, Ordering::SeqCst),
+                _ => {}
+            }
+            control_proxy.link.forward_control(msg.into_zmq()).await;
+        }
+    });
+
+    // SIGINT (interrupt_mode "signal"): the whole process group gets it, so the child has it
+    // already; we only stop our own magic.
+    let signal_proxy = proxy.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut sigint) = signal(SignalKind::interrupt()) else {
+            return;
+        };
+        while sigint.recv().await.is_some() {
+            signal_proxy.interrupt_magic();
+        }
+    });
+
+    let shell_proxy = proxy.clone();
+    let mut shell_send = front_shell_send;
+    let shell_loop = async move {
+        while let Ok(frames) = front_shell_recv.recv().await {
+            let Some((msg, msg_type)) = accept(&shell_proxy.session, "shell", frames) else {
+                continue;
+            };
+            handle_shell(&shell_proxy, &mut shell_send, msg, &msg_type).await;
+        }
+    };
+
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let status = tokio::select! {
+        status = child.process.wait() => Some(status),
+        _ = shell_loop => None,
+        _ = sigterm.recv() => None,
+    };
+    let expected = proxy.shutting_down.load(Ordering::SeqCst);
+    match status {
+        Some(status) if !expected => {
+            let why = status
+                .map(|s| s.to_string())
+                .unwrap_or_else(|e| e.to_string());
+            tracing::error!("the Python kernel exited unexpectedly ({why})");
+            iopub.send(session.iopub(
+                None,
+                "stream",
+                &json!({"name": "stderr", "text": format!(
+                    "gpukernel: the Python kernel (pid {child_pid}) exited unexpectedly ({why}). \
+                     gpukernel stops too, so Jupyter restarts both.\n")}),
+            ));
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            anyhow::bail!("the Python kernel exited unexpectedly ({why})");
+        }
+        Some(_) => {
+            // Let the child's shutdown_reply and last iopub messages drain.
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        None => {
+            let _ = child.process.start_kill();
+            let _ = child.process.wait().await;
+        }
+    }
+    Ok(())
+}
+
+async fn handle_shell(
+    proxy: &Arc<Proxy>,
+    socket: &mut RouterSendHalf,
+    msg: RawMessage,
+    msg_type: &str,
+) {
+    let registry = &proxy.engine.registry;
+    let ours = match msg_type {
+        "execute_request" | "complete_request" | "inspect_request" => msg.content_json().ok(),
+        _ => None,
+    };
+    let Some(content) = ours else {
+        proxy.link.forward_shell(msg.into_zmq()).await;
+        return;
+    };
+    let code = content["code"].as_str().unwrap_or("").to_string();
+    let cursor = content["cursor_pos"]
+        .as_u64()
+        .map(|c| c as usize)
+        .unwrap_or_else(|| code.chars().count());
+    let parent = Parent::of(&msg);
+    match msg_type {
+        "execute_request" => {
+            let segments = cell::split(&code, |name| registry.is_ours(name));
+            if !segments
+                .iter()
+                .any(|s| matches!(s, cell::Segment::Magic(_)))
+            {
+                proxy.link.forward_shell(msg.into_zmq()).await;
+                return;
+            }
+            proxy.status(&parent, "busy");
+            let reply = mixed::execute(proxy, &msg, &content, segments, &parent).await;
+            send(
+                socket,
+                proxy.session.reply(&parent, "execute_reply", &reply),
+            )
+            .await;
+            proxy.status(&parent, "idle");
+        }
+        "complete_request" => {
+            let Some(ours) = registry.complete(&code, cursor) else {
+                proxy.link.forward_shell(msg.into_zmq()).await;
+                return;
+            };
+            proxy.status(&parent, "busy");
+            // IPython completes its own %magics at the same spot: offer both.
+            let theirs = proxy
+                .link
+                .request(
+                    "complete_request",
+                    &json!({"code": code, "cursor_pos": cursor}),
+                )
+                .await
+                .ok();
+            let mut matches = ours.matches.clone();
+            if let Some(theirs) = theirs.as_ref().filter(|t| {
+                t["cursor_start"].as_u64() == Some(ours.cursor_start as u64)
+                    && t["cursor_end"].as_u64() == Some(ours.cursor_end as u64)
+            }) {
+                for m in theirs["matches"].as_array().into_iter().flatten() {
+                    if let Some(m) = m.as_str().filter(|m| !matches.iter().any(|x| x == m)) {
+                        matches.push(m.to_string());
+                    }
+                }
+            }
+            let reply = json!({"status": "ok", "matches": matches, "cursor_start": ours.cursor_start,
+                               "cursor_end": ours.cursor_end, "metadata": {}});
+            send(
+                socket,
+                proxy.session.reply(&parent, "complete_reply", &reply),
+            )
+            .await;
+            proxy.status(&parent, "idle");
+        }
+        _ => {
+            if registry.inspect(&code, cursor).is_none() {
+                proxy.link.forward_shell(msg.into_zmq()).await;
+                return;
+            }
+            proxy.status(&parent, "busy");
+            let reply: Value = replies::inspect(registry, &code, cursor);
+            send(
+                socket,
+                proxy.session.reply(&parent, "inspect_reply", &reply),
+            )
+            .await;
+            proxy.status(&parent, "idle");
+        }
+    }
+}
