@@ -101,8 +101,10 @@ fn exit_of(err: &anyhow::Error) -> Exit {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.verbose);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One thread, like OpenSSH: a notebook's traffic is latency-bound, and
+    // hopping between worker threads on every packet costs more than a
+    // second core buys (measured in bench/tunnel).
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {

@@ -156,25 +156,36 @@ unset TUNNEL_INIT TUNNEL_INIT_STATUS TUNNEL_ENV TUNNEL_DIR
   [ -e "$rt/stopping" ] || say "exited $st"
 ) &
 
-# Jupyter writes jpserver-<pid>.json (0600) once it listens; it holds the real port.
+# Jupyter writes jpserver-<pid>.json (0600) once it listens; it holds the real
+# port. `jupyter` execs the app, so <pid> is normally the one we started: test
+# that name with a builtin (no forks stealing CPU from Jupyter's start), and
+# look for any info file now and then in case a wrapper changed the pid.
 deadline=$(($(date +%s) + TUNNEL_TIMEOUT))
 port=
+n=0
 while :; do
   if [ -s "$rt/jupyter.exit" ]; then
     fail_log=$rt/jupyter.log
     fail jupyter-exited "jupyter $TUNNEL_APP exited with status $(cat "$rt/jupyter.exit") before it was ready"
   fi
-  info=$(find "$rt" -maxdepth 1 \( -name 'jpserver-*.json' -o -name 'nbserver-*.json' \) 2>/dev/null | head -n 1)
+  [ -n "${jp:-}" ] || jp=$(cat "$rt/jupyter.pid" 2>/dev/null)
+  info=
+  if [ -n "$jp" ] && [ -f "$rt/jpserver-$jp.json" ]; then
+    info=$rt/jpserver-$jp.json
+  elif [ $((n % 25)) -eq 24 ]; then
+    info=$(find "$rt" -maxdepth 1 \( -name 'jpserver-*.json' -o -name 'nbserver-*.json' \) 2>/dev/null | head -n 1)
+  fi
+  n=$((n + 1))
   if [ -n "$info" ]; then
     port=$(sed -n 's/.*"port": *\([0-9][0-9]*\).*/\1/p' "$info" | head -n 1)
     base=$(sed -n 's/.*"base_url": *"\([^"]*\)".*/\1/p' "$info" | head -n 1)
     [ -n "$port" ] && break
   fi
-  if [ "$(date +%s)" -ge "$deadline" ]; then
+  if [ $((n % 25)) -eq 0 ] && [ "$(date +%s)" -ge "$deadline" ]; then
     fail_log=$rt/jupyter.log
     fail timeout "jupyter $TUNNEL_APP did not write its server info within ${TUNNEL_TIMEOUT}s"
   fi
-  nap 0.05
+  nap 0.02
 done
 say "pid $(cat "$rt/jupyter.pid")"
 say "ready $port ${base:-/}"
