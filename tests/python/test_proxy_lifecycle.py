@@ -1,0 +1,193 @@
+"""gpu-python under a real jupyter_client: stdin, interrupts, the child dying, restart,
+shutdown, comms, forged messages, mixed cells and the side channel."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from jupyter_client.session import Session
+
+from kernel_client import collect, drain_iopub, execute, running_kernel, stream_text
+
+
+@pytest.fixture()
+def proxy():
+    with running_kernel("gpu-python") as pair:
+        yield pair
+
+
+def child_of(km) -> psutil.Process:
+    children = psutil.Process(km.provisioner.process.pid).children()
+    assert len(children) == 1, children
+    return children[0]
+
+
+def wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_input_round_trip(proxy):
+    km, kc = proxy
+    msg_id = kc.execute("name = input('who? ')\nprint('hello', name)", allow_stdin=True)
+    request = kc.get_stdin_msg(timeout=10)
+    assert request["msg_type"] == "input_request"
+    assert request["content"]["prompt"] == "who? "
+    kc.input("gpu")
+    reply, outputs = collect(kc, msg_id)
+    assert reply["content"]["status"] == "ok"
+    assert "hello gpu" in stream_text(outputs)
+
+
+def test_getpass_round_trip(proxy):
+    km, kc = proxy
+    msg_id = kc.execute("import getpass\nsecret = getpass.getpass('pw: ')\nprint(len(secret))",
+                        allow_stdin=True)
+    request = kc.get_stdin_msg(timeout=10)
+    assert request["content"]["password"] is True
+    kc.input("hunter2")
+    reply, outputs = collect(kc, msg_id)
+    assert stream_text(outputs) == "7\n"
+
+
+@pytest.mark.parametrize("how", ["signal", "message"])
+def test_interrupting_sleep_returns_within_two_seconds(proxy, how):
+    km, kc = proxy
+    msg_id = kc.execute("import time; time.sleep(60)")
+    time.sleep(1.0)
+    started = time.monotonic()
+    if how == "signal":
+        km.interrupt_kernel()  # the kernelspec says interrupt_mode "signal"
+    else:
+        kc.control_channel.send(kc.session.msg("interrupt_request", {}))
+    reply, outputs = collect(kc, msg_id, timeout=5)
+    assert time.monotonic() - started < 2.0
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert execute(kc, "print('alive')")[0]["content"]["status"] == "ok"
+
+
+def test_child_exit_ends_the_pair_and_restart_works():
+    with running_kernel("gpu-python") as (km, kc):
+        assert execute(kc, "x = 1")[0]["content"]["execution_count"] == 1
+        child = child_of(km)
+        kc.execute("import os; os._exit(1)")
+        assert wait_gone(child.pid, 5)
+        proxy_process = km.provisioner.process
+        deadline = time.monotonic() + 5
+        while proxy_process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proxy_process.poll() == 1, "gpukernel exits when its Python kernel dies"
+        messages = drain_iopub(kc, 0.5)
+        assert any("exited unexpectedly" in str(m["content"]) for m in messages)
+        km.restart_kernel(now=True)
+        kc.wait_for_ready(timeout=30)
+        reply, outputs = execute(kc, "print('x' in dir())")
+        assert reply["content"]["execution_count"] == 1, "a fresh count after restart"
+        assert stream_text(outputs) == "False\n"
+
+
+def test_shutdown_leaves_no_child():
+    with running_kernel("gpu-python") as (km, kc):
+        child = child_of(km)
+        km.shutdown_kernel(now=False)
+        assert wait_gone(child.pid, 5)
+        assert km.provisioner is None or not km.is_alive()
+
+
+def test_killing_gpukernel_takes_the_child_too():
+    with running_kernel("gpu-python") as (km, kc):
+        child = child_of(km)
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)
+        # ipykernel polls its parent once a second (JPY_PARENT_PID).
+        assert wait_gone(child.pid, 5)
+
+
+def test_mixed_cell_outputs_in_order_with_one_count(proxy):
+    km, kc = proxy
+    assert execute(kc, "a = 1")[0]["content"]["execution_count"] == 1
+    reply, outputs = execute(kc, "%gpuhelp\nprint('first')\n%gpumem\nprint('second')")
+    kinds = [(m["msg_type"], m["content"].get("text")) for m in outputs]
+    assert kinds == [("display_data", None), ("stream", "first\n"),
+                     ("display_data", None), ("stream", "second\n")], kinds
+    assert reply["content"]["execution_count"] == 2
+    assert execute(kc, "b = 2")[0]["content"]["execution_count"] == 3
+    # IPython's own history has the magic lines, under the cell's count.
+    _, outputs = execute(kc, "print(repr(In[2]))")
+    assert "%gpuhelp" in stream_text(outputs) and "%gpumem" in stream_text(outputs)
+    _, outputs = execute(kc, "%history -n 2")
+    assert "%gpuhelp" in stream_text(outputs)
+
+
+def test_mixed_cell_stops_at_the_first_failure(proxy):
+    km, kc = proxy
+    reply, outputs = execute(kc, "print('a')\n1/0\n%gpuhelp")
+    assert reply["content"]["ename"] == "ZeroDivisionError"
+    assert [m["msg_type"] for m in outputs] == ["stream", "error"]
+    reply, outputs = execute(kc, "%gpumem --bogus\nprint('never')")
+    assert reply["content"]["ename"] == "UsageError"
+    assert stream_text(outputs) == ""
+    # IPython's own magics still reach IPython.
+    reply, outputs = execute(kc, "%time x = 1\n%gpuhelp")
+    assert reply["content"]["status"] == "ok"
+    assert "Wall time" in stream_text(outputs)
+
+
+def test_comm_from_the_child_reaches_the_client_and_back(proxy):
+    km, kc = proxy
+    _, outputs = execute(kc, "from comm import create_comm\n"
+                             "received = []\n"
+                             "c = create_comm(target_name='gpu-test', data={'hello': 1})\n"
+                             "c.on_msg(lambda m: received.append(m['content']['data']))")
+    opened = [m for m in outputs if m["msg_type"] == "comm_open"]
+    assert opened and opened[0]["content"]["target_name"] == "gpu-test"
+    assert opened[0]["content"]["data"] == {"hello": 1}
+    comm_id = opened[0]["content"]["comm_id"]
+    kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": comm_id, "data": {"back": 42}}))
+    time.sleep(0.5)
+    _, outputs = execute(kc, "print(received)")
+    assert stream_text(outputs) == "[{'back': 42}]\n"
+
+
+def test_forged_message_is_not_executed(proxy):
+    km, kc = proxy
+    forged = Session(key=b"wrong-key")
+    msg = forged.msg("execute_request", {"code": "open('/tmp/gpukernel-forged', 'w')", "silent": False,
+                                         "store_history": True, "user_expressions": {},
+                                         "allow_stdin": False, "stop_on_error": True})
+    if os.path.exists("/tmp/gpukernel-forged"):
+        os.remove("/tmp/gpukernel-forged")
+    forged.send(kc.shell_channel.socket, msg)
+    time.sleep(0.5)
+    assert not os.path.exists("/tmp/gpukernel-forged")
+    assert execute(kc, "1")[0]["content"]["execution_count"] == 1
+
+
+def test_side_channel_sees_torch_without_importing_it(proxy):
+    km, kc = proxy
+    _, outputs = execute(kc, "%gpumem --json")
+    state = outputs[0]["content"]["data"]["application/json"]["python_kernel"]
+    assert state["pid"] == child_of(km).pid
+    assert state["torch"]["imported"] is False
+    _, outputs = execute(kc, "import sys; print('torch' in sys.modules)")
+    assert stream_text(outputs) == "False\n", "the side channel must never import torch"
+    # The side channel neither shows output nor takes an execution count.
+    assert execute(kc, "1")[0]["content"]["execution_count"] == 3
+
+    execute(kc, "import torch", timeout=60)
+    _, outputs = execute(kc, "%gpumem --json")
+    torch_state = outputs[0]["content"]["data"]["application/json"]["python_kernel"]["torch"]
+    assert torch_state["imported"] is True
+    assert torch_state["version"].startswith("2.11")
+    assert torch_state["cuda_initialized"] is False
+    _, outputs = execute(kc, "%gpumem")
+    assert "torch 2.11" in outputs[0]["content"]["data"]["text/plain"]
