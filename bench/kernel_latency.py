@@ -95,15 +95,42 @@ def round_trips(kernel: Kernel, code: str, runs: int) -> list[float]:
     return times[20:]  # warm-up dropped
 
 
+def print_throughput(kernel: Kernel, lines: int) -> float:
+    """Seconds from sending a cell that prints `lines` lines to its idle, all output received."""
+    code = f"for i in range({lines}): print(i)"
+    return round_trips_once(kernel, code)
+
+
+def round_trips_once(kernel: Kernel, code: str) -> float:
+    session, shell, iopub = kernel.session, kernel.shell, kernel.iopub
+    content = {"code": code, "silent": False, "store_history": True,
+               "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}
+    t0 = time.perf_counter()
+    msg_id = session.send(shell, "execute_request", content)["header"]["msg_id"]
+    session.recv(shell, mode=0)
+    while True:
+        _, reply = session.recv(iopub, mode=0)
+        if (reply["header"]["msg_type"] == "status"
+                and reply["parent_header"].get("msg_id") == msg_id
+                and reply["content"]["execution_state"] == "idle"):
+            return time.perf_counter() - t0
+
+
+def row(label: str, a: float, b: float, fmt: str = ".3f") -> str:
+    return f"| {label} | {a:{fmt}} | {b:{fmt}} | {a / b:.3f} |\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--starts", type=int, default=10)
     parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--lines", type=int, default=100_000)
     args = parser.parse_args()
-    cases = [("gpu-magics", "%gpuhelp"), ("python3", "pass")]
+    cases = [("gpu-magics", "%gpuhelp"), ("python3", "pass"), ("gpu-python", "pass")]
     starts: dict[str, list[float]] = {name: [] for name, _ in cases}
     trips: dict[str, list[float]] = {}
-    # Interleave the kernels so drift on the machine hits both alike.
+    printing: dict[str, list[float]] = {"python3": [], "gpu-python": []}
+    # Interleave the kernels so drift on the machine hits all alike.
     for i in range(args.starts):
         for name, code in cases:
             kernel = Kernel(name)
@@ -111,24 +138,38 @@ def main() -> int:
             if i == 0:
                 time.sleep(0.5)  # let iopub subscriptions settle
                 trips[name] = round_trips(kernel, code, args.runs)
+            if i < 3 and name in printing:
+                printing[name].append(print_throughput(kernel, args.lines))
             kernel.stop()
     s = {n: summary(v) for n, v in starts.items()}
     r = {n: summary(v) for n, v in trips.items()}
-    body = (
+    p = {n: min(v) for n, v in printing.items()}
+    versions = (
         f"jupyter_client {jupyter_client.__version__}, pyzmq {zmq.__version__}, "
         f"Python {sys.version.split()[0]}\n\n"
-        "| measure | gpu-magics | ipykernel | ratio (gpu-magics / ipykernel) |\n|---|---|---|---|\n"
-        f"| start to kernel_info_reply, p50 (ms, n={args.starts}) | {s['gpu-magics']['p50']:.1f} | "
-        f"{s['python3']['p50']:.1f} | {s['gpu-magics']['p50'] / s['python3']['p50']:.3f} |\n"
-        f"| start to kernel_info_reply, p95 (ms) | {s['gpu-magics']['p95']:.1f} | "
-        f"{s['python3']['p95']:.1f} | {s['gpu-magics']['p95'] / s['python3']['p95']:.3f} |\n"
-        f"| execute round trip p50 (ms, n={args.runs}; `%gpuhelp` vs `pass`) | "
-        f"{r['gpu-magics']['p50']:.3f} | {r['python3']['p50']:.3f} | "
-        f"{r['gpu-magics']['p50'] / r['python3']['p50']:.3f} |\n"
-        f"| execute round trip p95 (ms) | {r['gpu-magics']['p95']:.3f} | "
-        f"{r['python3']['p95']:.3f} | {r['gpu-magics']['p95'] / r['python3']['p95']:.3f} |\n\n"
-        "Targets (issue 3): start under 300 ms, round trip under 2 ms.\n"
     )
+    magics = (
+        "## gpu-magics (magics-only) vs ipykernel\n\n"
+        "| measure | gpu-magics | ipykernel | ratio |\n|---|---|---|---|\n"
+        + row(f"start to kernel_info_reply, p50 (ms, n={args.starts})", s["gpu-magics"]["p50"], s["python3"]["p50"], ".1f")
+        + row("start to kernel_info_reply, p95 (ms)", s["gpu-magics"]["p95"], s["python3"]["p95"], ".1f")
+        + row(f"execute round trip p50 (ms, n={args.runs}; `%gpuhelp` vs `pass`)", r["gpu-magics"]["p50"], r["python3"]["p50"])
+        + row("execute round trip p95 (ms)", r["gpu-magics"]["p95"], r["python3"]["p95"])
+        + "\nTargets (issue 3): start under 300 ms, round trip under 2 ms.\n\n"
+    )
+    added_p50 = r["gpu-python"]["p50"] - r["python3"]["p50"]
+    proxy = (
+        "## gpu-python (gpukernel in front of ipykernel) vs ipykernel alone\n\n"
+        "| measure | gpu-python | ipykernel | ratio |\n|---|---|---|---|\n"
+        + row(f"start to kernel_info_reply, p50 (ms, n={args.starts})", s["gpu-python"]["p50"], s["python3"]["p50"], ".1f")
+        + row(f"`pass` round trip p50 (ms, n={args.runs})", r["gpu-python"]["p50"], r["python3"]["p50"])
+        + row("`pass` round trip p95 (ms)", r["gpu-python"]["p95"], r["python3"]["p95"])
+        + row(f"print {args.lines:,} lines, best of 3 (s)", p["gpu-python"], p["python3"])
+        + f"\nAdded at p50: {added_p50:.3f} ms. Throughput ratio (ipykernel time / gpu-python time): "
+        f"{p['python3'] / p['gpu-python']:.3f}.\n"
+        "Targets (issue 4): at most 0.5 ms added at p50, throughput at least 0.9x, start at most 1.15x.\n"
+    )
+    body = versions + magics + proxy
     path = write_result("kernel-latency", "python bench/kernel_latency.py " + " ".join(sys.argv[1:]), body)
     print(body)
     print(f"written to {path}")
