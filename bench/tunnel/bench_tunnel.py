@@ -134,6 +134,23 @@ def tunnel_start(binary: Path, server: Sshd, prefix: Path, state: Path, workdir:
         proc.wait(timeout=60)
 
 
+def ssh_true(server: Sshd) -> float:
+    """OpenSSH running `true` on the host: connection + session + the user's shell start."""
+    t0 = time.monotonic()
+    subprocess.run(["ssh", "-F", str(server.ssh_config), server.alias, "true"],
+                   stdin=subprocess.DEVNULL, check=True)
+    return time.monotonic() - t0
+
+
+def login_shell() -> float:
+    """The remote user's login shell sourcing its profile (tunnel runs one, on purpose)."""
+    shell = os.environ.get("SHELL", "/bin/sh")
+    t0 = time.monotonic()
+    subprocess.run([shell, "-l", "-c", "true"], stdin=subprocess.DEVNULL, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.monotonic() - t0
+
+
 def ensure_jupyter_forward(venv: Path) -> Path:
     exe = venv / "bin" / "jupyter-forward"
     if not exe.exists():
@@ -315,7 +332,8 @@ def main() -> int:
     server = Sshd(work / "sshd", alias="bench")
     server.start()
     state = work / "state"
-    res: dict = {"startup_s": {"server_own": [], "tunnel": [], "jupyter_forward": []}}
+    res: dict = {"startup_s": {"server_own": [], "tunnel": [], "jupyter_forward": []},
+                 "context_s": {"ssh_true": [], "login_shell": []}}
     try:
         # 1. startup, interleaved so drift hits all three alike.
         jf_env = jf_shim = jf_cfg = None
@@ -330,6 +348,8 @@ def main() -> int:
             if jf is not None:
                 res["startup_s"]["jupyter_forward"].append(
                     jupyter_forward_start(jf, server, jf_env, jf_shim, jf_cfg, work))
+            res["context_s"]["ssh_true"].append(ssh_true(server))
+            res["context_s"]["login_shell"].append(login_shell())
             log(f"startup round {i + 1}: " + ", ".join(
                 f"{k} {v[-1]:.2f}s" for k, v in res["startup_s"].items() if v))
 
@@ -372,15 +392,21 @@ def main() -> int:
             log("throughput MB/s: " + ", ".join(
                 f"{k} {max(v):.0f}" for k, v in res["throughput_MBps"].items()))
 
-            res["latency_keepalive_ms"] = {}
-            res["latency_new_connection_ms"] = {}
-            for k, p in paths.items():
-                ka = latency_keepalive(p, token, args.requests)
-                nc = latency_new_connection(p, token, args.requests // 3)
-                res["latency_keepalive_ms"][k] = {
-                    "median": statistics.median(ka) * 1e3, "p95": pct(ka, 0.95) * 1e3}
-                res["latency_new_connection_ms"][k] = {
-                    "median": statistics.median(nc) * 1e3, "p95": pct(nc, 0.95) * 1e3}
+            # Interleaved rounds, samples pooled per path, so load drift on a
+            # shared machine hits every path alike.
+            ka_all = {k: [] for k in paths}
+            nc_all = {k: [] for k in paths}
+            per_round = max(1, args.requests // args.rounds)
+            for _ in range(args.rounds):
+                for k, p in paths.items():
+                    ka_all[k] += latency_keepalive(p, token, per_round)
+                    nc_all[k] += latency_new_connection(p, token, max(1, per_round // 3))
+            res["latency_keepalive_ms"] = {
+                k: {"median": statistics.median(v) * 1e3, "p95": pct(v, 0.95) * 1e3,
+                    "n": len(v)} for k, v in ka_all.items()}
+            res["latency_new_connection_ms"] = {
+                k: {"median": statistics.median(v) * 1e3, "p95": pct(v, 0.95) * 1e3,
+                    "n": len(v)} for k, v in nc_all.items()}
             log(f"latency keep-alive: {res['latency_keepalive_ms']}")
         finally:
             if ssh is not None:
@@ -393,6 +419,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in res["startup_s"].items() if v}
+    ctx = {k: statistics.median(v) for k, v in res["context_s"].items()}
     ratios = {
         "tunnel_minus_server_own_s": med["tunnel"] - med["server_own"],
         "tunnel_over_jupyter_forward": (med["tunnel"] / med["jupyter_forward"]
@@ -423,6 +450,7 @@ def main() -> int:
         "settings": {"rounds": args.rounds, "file_mb": args.file_mb, "requests": args.requests},
         "results": res,
         "medians_startup_s": med,
+        "medians_context_s": ctx,
         "ratios": ratios,
         "targets_met": targets,
     }
@@ -457,7 +485,13 @@ def markdown(r: dict) -> str:
     for k, v in res["startup_s"].items():
         if v:
             lines.append(f"| {names[k]} | {m[k]:.2f} | {', '.join(f'{x:.2f}' for x in v)} |")
+    c = r["medians_context_s"]
     lines += [
+        "",
+        "Context (medians): OpenSSH `ssh HOST true` (connect, session, the user's shell start) "
+        f"{c['ssh_true']:.2f} s; the user's login shell `$SHELL -l -c true` {c['login_shell']:.2f} s. "
+        "tunnel pays both before Jupyter starts: it runs a command over SSH and, on purpose, a "
+        "login shell (PATH, modules, conda) around Jupyter.",
         "",
         f"tunnel overhead over the server's own start: **{ra['tunnel_minus_server_own_s']:+.2f} s**"
         + (f"; tunnel / jupyter-forward: **{ra['tunnel_over_jupyter_forward']:.2f}x**"
@@ -474,7 +508,8 @@ def markdown(r: dict) -> str:
         "",
         f"tunnel / OpenSSH `ssh -L`: **{ra['throughput_tunnel_over_openssh']:.2f}x**",
         "",
-        f"## Small-request latency: GET /api/status, {r['settings']['requests']} requests (ms)",
+        f"## Small-request latency: GET /api/status (ms; {r['settings']['requests']} kept-alive and "
+        f"{r['settings']['requests'] // 3} new-connection requests per path, in interleaved rounds)",
         "",
         "| path | keep-alive median | keep-alive p95 | new connection median | new connection p95 |",
         "| --- | ---: | ---: | ---: | ---: |",
