@@ -15,7 +15,7 @@ import requests
 import websocket
 
 from tunnel_harness import (
-    EXIT, alive, cmdlines_containing, files_containing, is_loopback, kernel_pids,
+    EXIT, alive, cmdline, cmdlines_containing, files_containing, is_loopback, kernel_pids,
     listening_sockets, port_of, processes_of_runtime_dir, run_tunnel, token_of, wait_until,
 )
 
@@ -213,3 +213,34 @@ def test_sigkill_of_the_client_leaves_the_server_to_stop_after_the_linger(
     r = run_tunnel(tunnel_bin, state_dir, "down", sshd.alias)
     assert r.returncode == EXIT["no_tunnel"] and "died" in r.stderr
     assert run_tunnel(tunnel_bin, state_dir, "ls").stdout.strip() == "no tunnels"
+
+
+def test_shutting_jupyter_down_from_its_ui_closes_the_tunnel_cleanly(
+    tunnel, sshd, state_dir, tunnel_bin
+):
+    t = tunnel("--app", "server")
+    url = t.wait_url()
+    rt = status_json(tunnel_bin, state_dir, sshd.alias)["remote_runtime_dir"]
+    # What File > Shut Down does in JupyterLab.
+    r = requests.post(f"http://127.0.0.1:{port_of(url)}/api/shutdown",
+                      headers={"Authorization": f"token {token_of(url)}"}, timeout=30)
+    assert r.status_code == 200
+    assert t.wait(40) == EXIT["ok"], t.stderr
+    assert "was shut down" in t.stderr
+    assert processes_of_runtime_dir(rt) == [] and not Path(rt).exists()
+
+
+def test_lost_connection_is_reported_and_the_server_stops_after_the_linger(
+    tunnel, sshd, state_dir, tunnel_bin
+):
+    t = tunnel("--app", "server", "--linger", "2")
+    t.wait_url()
+    rt = status_json(tunnel_bin, state_dir, sshd.alias)["remote_runtime_dir"]
+    # Kill sshd's per-connection processes: the TCP connection dies under tunnel.
+    sessions = [p for p in sshd.session_pids() if cmdline(p).startswith(b"sshd:")]
+    assert sessions
+    for p in sessions:
+        os.kill(p, signal.SIGKILL)
+    assert t.wait(40) == EXIT["connection_lost"], t.stderr
+    assert "connection to" in t.stderr and "was lost" in t.stderr
+    assert wait_until(lambda: not processes_of_runtime_dir(rt) and not Path(rt).exists(), 20)

@@ -103,6 +103,8 @@ pub enum Event {
     Stopped,
     /// The channel delivered an exit status.
     Status(u32),
+    /// The launcher was killed by this signal.
+    Signal(String),
     /// The channel (or the whole connection) closed.
     Closed,
 }
@@ -230,6 +232,9 @@ impl Launcher {
                     }
                     ChannelMsg::ExitStatus { exit_status } => {
                         let _ = tx.send(Event::Status(exit_status)).await;
+                    }
+                    ChannelMsg::ExitSignal { signal_name, .. } => {
+                        let _ = tx.send(Event::Signal(format!("{signal_name:?}"))).await;
                     }
                     ChannelMsg::Close => break,
                     _ => {}

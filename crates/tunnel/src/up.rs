@@ -49,6 +49,10 @@ pub enum UpError {
     ConnectionLost { host: String, linger: u64 },
     #[error("Jupyter on {host} stopped unexpectedly (status {status})")]
     JupyterStopped { host: String, status: String },
+    #[error(
+        "the launcher on {host} ended unexpectedly ({how}); Jupyter may have been killed with it"
+    )]
+    LauncherEnded { host: String, how: String },
     #[error("cannot generate a token: {0}")]
     Random(getrandom::Error),
     #[error("cannot install signal handlers: {0}")]
@@ -68,7 +72,7 @@ impl HasExit for UpError {
             UpError::Interrupted(_) => Exit::Interrupted,
             UpError::Timeout(_) => Exit::Timeout,
             UpError::ConnectionLost { .. } => Exit::ConnectionLost,
-            UpError::JupyterStopped { .. } => Exit::JupyterFailed,
+            UpError::JupyterStopped { .. } | UpError::LauncherEnded { .. } => Exit::JupyterFailed,
             UpError::Random(_) | UpError::Signals(_) => Exit::Internal,
         }
     }
@@ -163,7 +167,9 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
     match &result {
         // Nothing is left on the remote when it reported the failure itself
         // (it cleans up before saying "error") or when the link is gone.
-        Err(UpError::Remote(_)) | Err(UpError::ConnectionLost { .. }) => {}
+        Err(UpError::Remote(_))
+        | Err(UpError::ConnectionLost { .. })
+        | Err(UpError::LauncherEnded { .. }) => {}
         _ => stop_remote(&mut launcher, &target, &mut signals, args.linger).await,
     }
     let _ = handle
@@ -221,6 +227,11 @@ async fn serve(
                     log: Vec::new(),
                 }
                 .into())
+            }
+            Event::Signal(how) => {
+                let log = collect_log(launcher).await;
+                tracing::debug!("launcher killed by SIG{how}");
+                return Err(RemoteError::Ended { status: None, log }.into());
             }
             Event::Exited(_) | Event::Log(_) | Event::Stopped => {}
         }
@@ -289,6 +300,9 @@ async fn serve(
         }
     };
 
+    // sshd reports how the launcher ended before closing its channel; a
+    // channel that closes without that report went down with the connection.
+    let mut launcher_end: Option<String> = None;
     loop {
         let ev = tokio::select! {
             ev = launcher.events.recv() => ev.unwrap_or(Event::Closed),
@@ -298,16 +312,32 @@ async fn serve(
             }
         };
         match ev {
+            // File > Shut Down in the Jupyter UI: a normal way to finish.
+            Event::Exited(status) if status == "0" => {
+                tracing::info!(
+                    "jupyter on {} was shut down; closing the tunnel",
+                    target.alias
+                );
+                return Ok(());
+            }
             Event::Exited(status) => {
                 return Err(UpError::JupyterStopped {
                     host: target.alias.clone(),
                     status,
                 })
             }
+            Event::Status(s) => launcher_end = Some(format!("exit status {s}")),
+            Event::Signal(s) => launcher_end = Some(format!("killed by SIG{s}")),
             Event::Closed => {
-                return Err(UpError::ConnectionLost {
-                    host: target.alias.clone(),
-                    linger: args.linger,
+                return Err(match launcher_end {
+                    Some(how) => UpError::LauncherEnded {
+                        host: target.alias.clone(),
+                        how,
+                    },
+                    None => UpError::ConnectionLost {
+                        host: target.alias.clone(),
+                        linger: args.linger,
+                    },
                 })
             }
             other => tracing::debug!("remote: {other:?}"),
