@@ -81,3 +81,55 @@ def test_unknown_host_is_refused_without_accept_new_and_recorded_with_it(
     t.wait_url()
     assert t.interrupt_and_wait() == EXIT["ok"], t.stderr
     assert "permanently added" not in t.stderr
+
+
+def test_unknown_host_confirmed_at_the_terminal_prompt(sshd, state_dir, tunnel_bin, jupyter_prefix,
+                                                       tmp_path):
+    """With a terminal, an unknown key is shown with its fingerprint and accepted on "yes"."""
+    import os
+    import pty
+    import select
+    import signal
+
+    from tunnel_harness import tunnel_env
+
+    sshd.write_known_hosts(known=False)
+    config = tmp_path / "ssh_config"
+    config.write_text(sshd.client_config(StrictHostKeyChecking=None))
+    fp = fingerprint(f"{sshd.host_key}.pub")
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [str(tunnel_bin), "up", "-F", str(config), sshd.alias, "--no-browser", "--app", "server",
+         "--env", str(jupyter_prefix)],
+        stdin=slave, stderr=slave, stdout=subprocess.PIPE, env=tunnel_env(state_dir),
+        start_new_session=True,
+    )
+    os.close(slave)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 30
+        while b"continue connecting" not in seen:
+            assert time.monotonic() < deadline, seen.decode(errors="replace")
+            if select.select([master], [], [], 0.5)[0]:
+                seen += os.read(master, 4096)
+        assert fp.encode() in seen
+        os.write(master, b"yes\n")
+        url = proc.stdout.readline().decode().strip()
+        assert "token=" in url, seen.decode(errors="replace")
+        proc.send_signal(signal.SIGINT)
+        # Keep draining the terminal so tunnel never blocks writing to it.
+        deadline = time.monotonic() + 40
+        while proc.poll() is None and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    os.read(master, 4096)
+                except OSError:
+                    break
+        assert proc.wait(timeout=5) == EXIT["ok"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    assert sshd.known_hosts.read_text().split() == sshd.known_hosts_line().split()
