@@ -1,0 +1,146 @@
+"""GPU-machine check of gpukernel (run by bench/gpu/run_on_device.sh on a CUDA machine).
+
+1. The torch build loads libtorch through its plugin and sees CUDA (`gpukernel info --json`).
+2. gpu-python under a real jupyter_client: %gpumem before torch, after the Python kernel
+   allocates N GiB (allocator figures vs torch's own, process memory vs nvidia-smi), after
+   `del` + empty_cache; gpukernel itself holds no CUDA context throughout.
+3. %gpumem latency (NVML path, magics-only kernel round trip) side by side with nvidia-smi
+   and gpustat --json.
+
+Writes gpu_check.json and gpu_check.md into $OUT (or the current directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(os.environ.get("GPUKERNEL_BIN", ROOT / ".device" / "gpukernel"))
+OUT = Path(os.environ.get("OUT", "."))
+N_GIB = 4
+results: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+def smi_apps() -> dict[int, int]:
+    out = run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]).stdout
+    apps = {}
+    for line in out.strip().splitlines():
+        pid, mem = [x.strip() for x in line.split(",")]
+        apps[int(pid)] = int(mem) * 2**20
+    return apps
+
+
+def main() -> int:
+    import torch  # only to find its lib dir; this process never touches CUDA
+
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    os.environ["LD_LIBRARY_PATH"] = torch_lib + ":" + os.environ.get("LD_LIBRARY_PATH", "")
+    smi = run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+    results["gpu"] = smi.stdout.strip()
+    results["versions"] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+
+    # 1. libtorch through the plugin, CUDA visible.
+    info = json.loads(run([str(BIN), "info", "--json"]).stdout)
+    results["gpukernel_info"] = info
+    results["cuda_available_via_plugin"] = info["libtorch"].get("info", {}).get("cuda_available")
+
+    # 2. gpu-python with a real jupyter_client.
+    prefix = Path(tempfile.mkdtemp(prefix="gpukernel-specs-"))
+    for extra in (["--python", sys.executable], ["--magics-only"]):
+        subprocess.run([str(BIN), "install", "--prefix", str(prefix), *extra], check=True)
+    os.environ["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
+    sys.path.insert(0, str(ROOT / "tests" / "python"))
+    from kernel_client import execute, running_kernel, stream_text
+
+    def gpumem(kc) -> dict:
+        _, outputs = execute(kc, "%gpumem --json")
+        return outputs[0]["content"]["data"]["application/json"]
+
+    checks: dict = {}
+    with running_kernel("gpu-python") as (km, kc):
+        proxy_pid = km.provisioner.process.pid
+        before = gpumem(kc)
+        child_pid = before["python_kernel"]["pid"]
+        checks["torch_not_imported_before"] = before["python_kernel"]["torch"]["imported"] is False
+        code = (f"import torch, json\nx = torch.empty({N_GIB} * 2**30, dtype=torch.uint8, device='cuda')\n"
+                "torch.cuda.synchronize()\n"
+                "print(json.dumps({'allocated': torch.cuda.memory_allocated(0), "
+                "'reserved': torch.cuda.memory_reserved(0)}))")
+        reply, outputs = execute(kc, code, timeout=120)
+        truth = json.loads(stream_text(outputs).strip().splitlines()[-1])
+        during = gpumem(kc)
+        apps = smi_apps()
+        dev = during["python_kernel"]["torch"]["devices"][0]
+        nvml_child = next(p["used_memory"] for g in during["gpus"] for p in g["processes"] if p["pid"] == child_pid)
+        checks["allocator_allocated"] = {"gpumem": dev["allocated"], "torch": truth["allocated"]}
+        checks["allocator_reserved"] = {"gpumem": dev["reserved"], "torch": truth["reserved"]}
+        checks["process_memory"] = {"gpumem_nvml": nvml_child, "nvidia_smi": apps.get(child_pid)}
+        checks["allocated_within_1pct"] = abs(dev["allocated"] - truth["allocated"]) <= 0.01 * truth["allocated"]
+        checks["reserved_within_1pct"] = abs(dev["reserved"] - truth["reserved"]) <= 0.01 * truth["reserved"]
+        checks["process_within_1pct_of_smi"] = apps.get(child_pid) is not None and abs(nvml_child - apps[child_pid]) <= 0.01 * apps[child_pid]
+        checks["gpukernel_has_no_cuda_context"] = proxy_pid not in apps and all(
+            p["pid"] != proxy_pid for g in during["gpus"] for p in g["processes"])
+        _, outputs = execute(kc, "%gpumem")
+        checks["gpumem_text"] = outputs[0]["content"]["data"]["text/plain"]
+        execute(kc, "del x\ntorch.cuda.empty_cache()")
+        after = gpumem(kc)
+        nvml_after = next((p["used_memory"] for g in after["gpus"] for p in g["processes"] if p["pid"] == child_pid), 0)
+        checks["process_memory_after_del_and_empty_cache"] = nvml_after
+        checks["freed_fraction_of_N"] = (nvml_child - nvml_after) / (N_GIB * 2**30)
+    results["gpu_python"] = checks
+
+    # 3. Latency: %gpumem --json round trip vs nvidia-smi and gpustat as commands.
+    lat: dict = {}
+    with running_kernel("gpu-magics") as (km, kc):
+        execute(kc, "%gpumem --json")  # opens NVML once
+        times = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            execute(kc, "%gpumem --json")
+            times.append((time.perf_counter() - t0) * 1000)
+        lat["gpumem_roundtrip_ms"] = {"p50": statistics.median(times), "p95": sorted(times)[47]}
+
+    def time_cmds(cmds: list[list[str]], n: int = 20) -> dict:
+        """Time to run `cmds` one after another (what a tool needs for the same figures)."""
+        ts = []
+        errors = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            for cmd in cmds:
+                done = run(cmd)
+                if done.returncode != 0:
+                    errors.append(done.stderr[-300:] or done.stdout[-300:])
+            ts.append((time.perf_counter() - t0) * 1000)
+        return {"p50": statistics.median(ts), "p95": sorted(ts)[int(0.95 * (n - 1))],
+                "commands": cmds, "errors": errors[:1]}
+
+    # nvidia-smi takes one --query-* kind per run: GPUs, then processes.
+    lat["nvidia_smi_ms"] = time_cmds([
+        ["nvidia-smi", "--query-gpu=index,name,memory.used,memory.free,memory.total,utilization.gpu",
+         "--format=csv"],
+        ["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,used_memory", "--format=csv"],
+    ])
+    gpustat = shutil.which("gpustat")
+    lat["gpustat_json_ms"] = time_cmds([[gpustat, "--json"]]) if gpustat else {"error": "gpustat not installed"}
+    results["latency"] = lat
+    shutil.rmtree(prefix, ignore_errors=True)
+
+    (OUT / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
+    print(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
