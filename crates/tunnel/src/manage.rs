@@ -104,9 +104,17 @@ fn uptime(secs: u64) -> String {
     }
 }
 
+/// Like `println!`, but a closed stdout (`tunnel ls | head -1`) is not a panic.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
 fn print_json<T: Serialize>(v: &T) {
     match serde_json::to_string_pretty(v) {
-        Ok(s) => println!("{s}"),
+        Ok(s) => out!("{s}"),
         Err(e) => tracing::error!("cannot encode JSON: {e}"),
     }
 }
@@ -144,11 +152,11 @@ pub fn status(args: StatusArgs) -> Result<(), ManageError> {
         return Ok(());
     }
     if shown.is_empty() {
-        println!("no tunnels");
+        out!("no tunnels");
     }
     for s in &shown {
         let st = s.state;
-        println!(
+        out!(
             "{}: {}, pid {}, up {}",
             st.host,
             phase_text(s),
@@ -156,11 +164,13 @@ pub fn status(args: StatusArgs) -> Result<(), ManageError> {
             uptime(s.uptime_secs)
         );
         if let Some(url) = &st.url {
-            println!("  url:     {url}  (the token is in the URL `tunnel up` printed)");
+            out!("  url:     {url}  (the token is in the URL `tunnel up` printed)");
         }
-        println!(
+        out!(
             "  ssh:     {}@{} port {}",
-            st.ssh_user, st.ssh_host, st.ssh_port
+            st.ssh_user,
+            st.ssh_host,
+            st.ssh_port
         );
         let mut remote = format!("jupyter {}", st.app.subcommand());
         if let Some(p) = st.remote_port {
@@ -172,7 +182,7 @@ pub fn status(args: StatusArgs) -> Result<(), ManageError> {
         if let Some(d) = &st.remote_runtime_dir {
             remote.push_str(&format!(", runtime dir {d}"));
         }
-        println!("  remote:  {remote}");
+        out!("  remote:  {remote}");
     }
     Ok(())
 }
@@ -185,15 +195,18 @@ pub fn ls(args: LsArgs) -> Result<(), ManageError> {
         return Ok(());
     }
     if shown.is_empty() {
-        println!("no tunnels");
+        out!("no tunnels");
         return Ok(());
     }
-    println!(
+    out!(
         "{:<24} {:<9} {:>8} {:>8}  URL",
-        "HOST", "STATE", "PID", "UP"
+        "HOST",
+        "STATE",
+        "PID",
+        "UP"
     );
     for s in &shown {
-        println!(
+        out!(
             "{:<24} {:<9} {:>8} {:>8}  {}",
             s.state.host,
             phase_text(s),
