@@ -113,7 +113,10 @@ class Sshd:
     # -- lifecycle ---------------------------------------------------------
 
     def start(self, detach: bool = False) -> "Sshd":
-        os.makedirs("/run/sshd", exist_ok=True)  # privilege separation dir
+        try:
+            os.makedirs("/run/sshd", exist_ok=True)  # privilege separation dir (root only)
+        except PermissionError:
+            pass
         if not self.host_key.exists():
             _keygen(self.host_key, "tunnel-test-host")
         for key in (self.client_key, self.other_key):
