@@ -127,7 +127,7 @@ def test_errors_name_the_problem_and_the_choices(magics_kernel):
     assert "Usage: %gpumem" in reply["content"]["evalue"]
 
     reply, _ = execute(kc, "%gpuhelp nosuch")
-    assert "possible values: gpuhelp, gpumem, echo" in reply["content"]["evalue"]
+    assert "possible values: gpuhelp, gpumem, emptycache, echo" in reply["content"]["evalue"]
 
     reply, _ = execute(kc, "x = 1")
     assert "gpu-python" in reply["content"]["evalue"]
@@ -166,3 +166,11 @@ def test_kernel_does_not_load_libtorch_for_nvml_magics(magics_kernel):
     maps = open(f"/proc/{km.provisioner.process.pid}/maps").read()
     assert "libtorch" not in maps
     assert "libcuda" not in maps
+
+
+def test_emptycache_in_the_magics_kernel(magics_kernel):
+    km, kc = magics_kernel
+    reply, outputs = execute(kc, "%emptycache --json")
+    report = outputs[0]["content"]["data"]["application/json"]
+    assert [p["who"] for p in report["processes"]] == ["gpukernel"]
+    assert "nothing cached" in report["processes"][0]["note"]

@@ -191,3 +191,45 @@ def test_side_channel_sees_torch_without_importing_it(proxy):
     assert torch_state["cuda_initialized"] is False
     _, outputs = execute(kc, "%gpumem")
     assert "torch 2.11" in outputs[0]["content"]["data"]["text/plain"]
+
+
+def test_emptycache_without_torch_says_so(proxy):
+    km, kc = proxy
+    reply, outputs = execute(kc, "%emptycache --json")
+    assert reply["content"]["status"] == "ok"
+    report = outputs[0]["content"]["data"]["application/json"]
+    python_row = next(p for p in report["processes"] if p["who"] == "Python kernel")
+    assert "torch is not imported" in python_row["note"]
+    _, outputs = execute(kc, "import sys; print('torch' in sys.modules)")
+    assert stream_text(outputs) == "False\n"
+    execute(kc, "import torch", timeout=60)
+    _, outputs = execute(kc, "%emptycache")
+    assert "torch has not initialised CUDA" in outputs[0]["content"]["data"]["text/plain"]
+
+
+def test_watch_gauge_updates_while_python_runs(proxy):
+    km, kc = proxy
+    started = time.monotonic()
+    reply, outputs = execute(kc, "%gpumem --watch 0.2")
+    assert time.monotonic() - started < 2, "the gauge does not hold the cell"
+    display_id = outputs[0]["content"]["transient"]["display_id"]
+    msg_id = kc.execute("import time; time.sleep(1.5); print('trained')")
+    updates_during = []
+    deadline = time.monotonic() + 10
+    finished = False
+    while not finished and time.monotonic() < deadline:
+        msg = kc.get_iopub_msg(timeout=5)
+        if msg["msg_type"] == "update_display_data":
+            assert msg["content"]["transient"]["display_id"] == display_id
+            updates_during.append(msg)
+        finished = (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                    and msg["content"]["execution_state"] == "idle")
+    assert finished
+    assert len(updates_during) >= 4, "the gauge kept updating while the cell ran"
+    _, outputs = execute(kc, "%gpumem --stop")
+    assert stream_text(outputs) == "Stopped the GPU gauge.\n"
+    time.sleep(0.3)
+    drain_iopub(kc, 0.2)
+    assert [m for m in drain_iopub(kc, 1.0) if m["msg_type"] == "update_display_data"] == []
+    _, outputs = execute(kc, "%gpumem --stop")
+    assert stream_text(outputs) == "No GPU gauge is running.\n"

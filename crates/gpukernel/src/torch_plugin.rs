@@ -48,6 +48,11 @@ pub fn plugin() -> Result<&'static TorchPlugin, PluginError> {
     PLUGIN.get_or_init(load).as_ref().map_err(Clone::clone)
 }
 
+/// The plugin if an earlier call loaded it; never loads it (so never loads libtorch).
+pub fn loaded() -> Option<&'static TorchPlugin> {
+    PLUGIN.get().and_then(|loaded| loaded.as_ref().ok())
+}
+
 fn candidates() -> Vec<PathBuf> {
     let mut paths = Vec::new();
     if let Some(path) = std::env::var_os("GPUKERNEL_TORCH_PLUGIN") {

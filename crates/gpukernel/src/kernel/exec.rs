@@ -88,6 +88,16 @@ fn plain(data: &Bundle) -> &str {
 }
 
 impl OutputSink for IopubSink {
+    fn detach(&self) -> Arc<dyn OutputSink> {
+        Arc::new(IopubSink::new(
+            self.session.clone(),
+            self.iopub.clone(),
+            self.parent.clone(),
+            self.silent,
+            self.execution_count,
+        ))
+    }
+
     fn emit(&self, output: Output) {
         if let Output::Page { data } = output {
             self.pages

@@ -1,12 +1,13 @@
 //! `%gpumem`: memory per GPU and per process, read through NVML (no CUDA context needed).
 
 use super::python::TorchState;
-use super::{bundle, html_escape, parse_args, Bundle, Magic, MagicContext, MagicError, Output};
+use super::{
+    bundle, gauge, html_escape, parse_args, Bundle, Magic, MagicContext, MagicError, Output,
+};
 use clap::{CommandFactory, Parser};
 use gpuprobe::units::human_bytes;
 use gpuprobe::{GpuSnapshot, ProbeError};
 use serde_json::{json, Value};
-use std::time::Duration;
 
 /// GPU memory per device and per process (NVML).
 #[derive(Parser, Debug)]
@@ -15,13 +16,18 @@ struct Args {
     /// Return the figures as JSON (the cell's value) for scripts.
     #[arg(long, conflicts_with = "watch")]
     json: bool,
-    /// Keep a live gauge updating every SECONDS (default 2) until interrupted.
+    /// Keep a live gauge updating every SECONDS (default 2): in the Python kernel it runs in
+    /// the background while later cells run (NVML only); in the magics-only kernel, until
+    /// interrupted.
     #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2",
           value_parser = parse_interval)]
     watch: Option<f64>,
-    /// With --watch: stop after N updates instead of at an interrupt.
+    /// With --watch: stop after N updates.
     #[arg(long, value_name = "N", requires = "watch")]
     count: Option<u64>,
+    /// Stop the running gauge.
+    #[arg(long, conflicts_with_all = ["watch", "json"])]
+    stop: bool,
 }
 
 fn parse_interval(text: &str) -> Result<f64, String> {
@@ -53,6 +59,14 @@ impl Magic for GpuMem {
         let Some(args) = parse_args::<Args>(argv, ctx)? else {
             return Ok(());
         };
+        if args.stop {
+            ctx.stdout(if ctx.gpu.stop_watch() {
+                "Stopped the GPU gauge.\n"
+            } else {
+                "No GPU gauge is running.\n"
+            });
+            return Ok(());
+        }
         let snapshot = ctx.gpu.snapshot();
         let Some(interval) = args.watch else {
             // Only one-off reads ask the Python kernel: a gauge must not queue work there.
@@ -75,23 +89,17 @@ impl Magic for GpuMem {
             });
             return Ok(());
         };
-        let display_id = format!("gpumem-watch-{}", uuid::Uuid::new_v4());
-        ctx.out.emit(Output::Display {
-            data: render(&snapshot, None),
-            display_id: Some(display_id.clone()),
-        });
-        let mut updates = 1;
-        while args.count.is_none_or(|n| updates < n) {
-            if !ctx.cancel.sleep(Duration::from_secs_f64(interval)) {
-                return Err(MagicError::interrupted());
-            }
-            ctx.out.emit(Output::Update {
-                data: render(&ctx.gpu.snapshot(), None),
-                display_id: display_id.clone(),
-            });
-            updates += 1;
+        if ctx.python.is_some() {
+            // Beside a Python kernel the gauge runs on its own thread, so later cells (a
+            // training loop) run while it updates.
+            ctx.gpu.start_watch(ctx.out.detach(), interval, args.count);
+            return Ok(());
         }
-        Ok(())
+        if gauge::run(ctx.gpu, ctx.out, ctx.cancel, interval, args.count) {
+            Ok(())
+        } else {
+            Err(MagicError::interrupted())
+        }
     }
 }
 

@@ -4,6 +4,8 @@
 mod cancel;
 pub mod cell;
 mod echo;
+mod emptycache;
+mod gauge;
 mod gpumem;
 mod help;
 mod output;
@@ -89,6 +91,7 @@ impl Registry {
             magics: vec![
                 Box::new(help::GpuHelp),
                 Box::new(gpumem::GpuMem),
+                Box::new(emptycache::EmptyCache),
                 Box::new(echo::Echo),
             ],
         }

@@ -59,6 +59,8 @@ pub fn bundle(text: impl Into<String>, html: Option<String>) -> Bundle {
 /// Receives outputs as a magic produces them, so long magics show progress live.
 pub trait OutputSink: Send + Sync {
     fn emit(&self, output: Output);
+    /// An owned sink with the same destination, for output that outlives the magic (a gauge).
+    fn detach(&self) -> std::sync::Arc<dyn OutputSink>;
 }
 
 /// A magic's failure, shown as an `error` output (IPython's shape: ename, evalue, traceback).

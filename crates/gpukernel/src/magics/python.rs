@@ -26,7 +26,14 @@ pub trait PythonKernel: Send + Sync {
     fn pid(&self) -> u32;
     /// Reads torch's state in the Python kernel (waits for earlier cells to finish).
     fn torch(&self) -> Result<TorchState, String>;
+    /// `gc.collect()` then `torch.cuda.empty_cache()` in the Python kernel, if torch is
+    /// imported and has initialised CUDA there; never imports anything.
+    fn empty_cache(&self) -> Result<(), String>;
 }
+
+/// Code for [`PythonKernel::empty_cache`]: leaves no names behind in the user's namespace.
+pub const EMPTY_CACHE_CODE: &str = "(lambda m: (__import__('gc').collect(), m.cuda.empty_cache()) \
+    if m is not None and m.cuda.is_initialized() else None)(__import__('sys').modules.get('torch'))";
 
 /// A Python expression evaluating to an object whose repr is the [`TorchState`] JSON. It looks
 /// torch up in `sys.modules` and so never imports it, and touches CUDA only if torch already

@@ -2,7 +2,9 @@
 //! no visible code, leave execution_count alone, and wait for earlier cells to finish.
 
 use super::link::ChildLink;
-use crate::magics::python::{parse_torch_state, PythonKernel, TorchState, TORCH_STATE_EXPR};
+use crate::magics::python::{
+    parse_torch_state, PythonKernel, TorchState, EMPTY_CACHE_CODE, TORCH_STATE_EXPR,
+};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -43,6 +45,22 @@ impl PythonKernel for ChildPython {
             .runtime
             .block_on(evaluate(&self.link, TORCH_STATE_EXPR))?;
         parse_torch_state(&text)
+    }
+
+    fn empty_cache(&self) -> Result<(), String> {
+        let reply = self
+            .runtime
+            .block_on(self.link.silent_execute(EMPTY_CACHE_CODE, &json!({})))
+            .map_err(|e| e.to_string())?;
+        if reply["status"] == "ok" {
+            Ok(())
+        } else {
+            Err(format!(
+                "{}: {}",
+                reply["ename"].as_str().unwrap_or("error"),
+                reply["evalue"].as_str().unwrap_or("")
+            ))
+        }
     }
 }
 
