@@ -7,7 +7,9 @@ GPUNB_CACHE="${GPUNB_CACHE:-$HOME/.cache/gpunb}"
 GPUNB_LOCK_HASH="$(sha256sum "$GPUNB_ROOT/requirements.lock" | cut -c1-16)"
 GPUNB_VENV="${GPUNB_VENV:-$GPUNB_CACHE/venv-py311}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$GPUNB_CACHE/target}"
-export LIBTORCH_USE_PYTORCH=1
+# torch-sys only checks that LIBTORCH_USE_PYTORCH is set, but reruns its build script when the
+# value changes: the venv path as the value makes a moved venv rebuild against the right torch.
+export LIBTORCH_USE_PYTORCH="$GPUNB_VENV"
 export PATH="$GPUNB_VENV/bin:$HOME/.cargo/bin:$PATH"
 export VIRTUAL_ENV="$GPUNB_VENV"
 export GPUKERNEL_BIN="$CARGO_TARGET_DIR/release/gpukernel"

@@ -2,11 +2,12 @@
 
 use super::python::TorchState;
 use super::{
-    bundle, gauge, html_escape, parse_args, Bundle, Magic, MagicContext, MagicError, Output,
+    bundle, gauge, html_escape, parse_args, visible, Bundle, Magic, MagicContext, MagicError,
+    Output,
 };
 use clap::{CommandFactory, Parser};
 use gpuprobe::units::human_bytes;
-use gpuprobe::{GpuSnapshot, ProbeError};
+use gpuprobe::{GpuInfo, GpuSnapshot, ProbeError};
 use serde_json::{json, Value};
 
 /// GPU memory per device and per process (NVML).
@@ -122,7 +123,7 @@ fn python_json(python: Option<&PythonView>) -> Value {
     }
 }
 
-fn python_text(python: &PythonView) -> String {
+fn python_text(python: &PythonView, gpus: &[GpuInfo]) -> String {
     let pid = python.pid;
     match &python.torch {
         Err(e) => format!("Python kernel (pid {pid}): could not read torch's state: {e}\n"),
@@ -133,14 +134,21 @@ fn python_text(python: &PythonView) -> String {
         ),
         Ok(t) => {
             let mut text = format!(
-                "Python kernel (pid {pid}): torch {}, caching allocator per device:\n{:>3}  {:>10} {:>10} {:>10} {:>12} {:>5}\n",
+                "Python kernel (pid {pid}): torch {}, caching allocator per device:\n{:>4} {:>3}  {:>10} {:>10} {:>10} {:>12} {:>5}\n",
                 t.version.as_deref().unwrap_or("?"),
-                "GPU", "allocated", "reserved", "peak", "reclaimable", "OOMs"
+                "cuda", "GPU", "allocated", "reserved", "peak", "reclaimable", "OOMs"
             );
             for d in &t.devices {
+                let nvml = d
+                    .uuid
+                    .as_deref()
+                    .and_then(|u| visible::by_uuid(gpus, u))
+                    .map(|g| g.index.to_string())
+                    .unwrap_or_else(|| "?".into());
                 text.push_str(&format!(
-                    "{:>3}  {:>10} {:>10} {:>10} {:>12} {:>5}\n",
+                    "{:>4} {:>3}  {:>10} {:>10} {:>10} {:>12} {:>5}\n",
                     d.index,
+                    nvml,
                     human_bytes(d.allocated),
                     human_bytes(d.reserved),
                     human_bytes(d.peak_allocated),
@@ -206,7 +214,8 @@ fn percent(part: u64, whole: u64) -> f64 {
 
 /// Text and HTML tables of a snapshot, and the Python kernel's torch state when known.
 pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>, python: Option<&PythonView>) -> Bundle {
-    let python_part = python.map(python_text).unwrap_or_default();
+    let gpus: &[GpuInfo] = snapshot.as_ref().map(|s| s.gpus.as_slice()).unwrap_or(&[]);
+    let python_part = python.map(|p| python_text(p, gpus)).unwrap_or_default();
     let snapshot = match snapshot {
         Ok(s) => s,
         Err(e) => {
@@ -224,23 +233,33 @@ pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>, python: Option<&Python
         return bundle(text, Some(html));
     }
     let me = std::process::id();
+    let ordinals = visible::cuda_ordinals(
+        std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
+        &snapshot.gpus,
+    );
+    let cuda = |position: usize| {
+        ordinals[position]
+            .map(|o| o.to_string())
+            .unwrap_or_else(|| "-".into())
+    };
     let mut text = format!(
-        "{:>3}  {:<24} {:>10} {:>10} {:>10} {:>5}\n",
-        "GPU", "name", "used", "free", "total", "util"
+        "{:>3} {:>4}  {:<24} {:>10} {:>10} {:>10} {:>5}\n",
+        "GPU", "cuda", "name", "used", "free", "total", "util"
     );
     let mut html = String::from(
-        "<table><thead><tr><th>GPU</th><th style=\"text-align:left\">name</th><th>used</th>\
+        "<table><thead><tr><th>GPU</th><th>cuda</th><th style=\"text-align:left\">name</th><th>used</th>\
          <th style=\"text-align:left\">memory</th><th>free</th><th>total</th><th>util</th></tr>\
          </thead><tbody>",
     );
-    for gpu in &snapshot.gpus {
+    for (position, gpu) in snapshot.gpus.iter().enumerate() {
         let util = gpu
             .utilization_gpu
             .map(|u| format!("{u}%"))
             .unwrap_or_else(|| "n/a".into());
         text.push_str(&format!(
-            "{:>3}  {:<24} {:>10} {:>10} {:>10} {:>5}\n",
+            "{:>3} {:>4}  {:<24} {:>10} {:>10} {:>10} {:>5}\n",
             gpu.index,
+            cuda(position),
             truncate(&gpu.name, 24),
             human_bytes(gpu.memory_used),
             human_bytes(gpu.memory_free),
@@ -249,11 +268,12 @@ pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>, python: Option<&Python
         ));
         let used_pct = percent(gpu.memory_used, gpu.memory_total);
         html.push_str(&format!(
-            "<tr><td>{}</td><td style=\"text-align:left\">{}</td><td>{}</td>\
+            "<tr><td>{}</td><td>{}</td><td style=\"text-align:left\">{}</td><td>{}</td>\
              <td style=\"text-align:left\"><div style=\"width:12em;background:#ddd;height:0.9em\">\
              <div style=\"width:{used_pct:.1}%;background:{};height:100%\"></div></div></td>\
              <td>{}</td><td>{}</td><td>{}</td></tr>",
             gpu.index,
+            cuda(position),
             html_escape(&gpu.name),
             human_bytes(gpu.memory_used),
             if used_pct > 90.0 {
@@ -342,7 +362,7 @@ pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>, python: Option<&Python
 mod tests {
     use super::*;
     use gpuprobe::process::ProcessDetails;
-    use gpuprobe::{GpuInfo, GpuProcess};
+    use gpuprobe::GpuProcess;
 
     fn snapshot() -> GpuSnapshot {
         GpuSnapshot {
@@ -405,6 +425,7 @@ mod tests {
                 cuda_initialized: true,
                 devices: vec![crate::magics::python::DeviceMemory {
                     index: 0,
+                    uuid: Some("1".into()),
                     allocated: 1 << 30,
                     reserved: 3 << 30,
                     peak_allocated: 2 << 30,

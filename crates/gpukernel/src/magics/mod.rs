@@ -11,6 +11,7 @@ mod help;
 mod output;
 pub mod python;
 mod state;
+mod visible;
 
 pub use cancel::CancelToken;
 pub use output::{bundle, html_escape, Bundle, MagicError, Output, OutputSink, StreamName};

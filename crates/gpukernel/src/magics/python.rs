@@ -6,6 +6,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceMemory {
     pub index: u32,
+    /// The device's UUID as torch reports it (no "GPU-" prefix), to match NVML's GPU.
+    #[serde(default)]
+    pub uuid: Option<String>,
     pub allocated: u64,
     pub reserved: u64,
     pub peak_allocated: u64,
@@ -42,7 +45,8 @@ pub const TORCH_STATE_EXPR: &str = r#"(lambda sys, json: (lambda m: type('GpuKer
   'imported': m is not None,
   'version': getattr(m, '__version__', None),
   'cuda_initialized': bool(m is not None and m.cuda.is_initialized()),
-  'devices': [dict(index=i, allocated=m.cuda.memory_allocated(i), reserved=m.cuda.memory_reserved(i),
+  'devices': [dict(index=i, uuid=str(m.cuda.get_device_properties(i).uuid),
+                   allocated=m.cuda.memory_allocated(i), reserved=m.cuda.memory_reserved(i),
                    peak_allocated=m.cuda.max_memory_allocated(i),
                    num_ooms=m.cuda.memory_stats(i).get('num_ooms', 0))
               for i in range(m.cuda.device_count())] if m is not None and m.cuda.is_initialized() else [],
