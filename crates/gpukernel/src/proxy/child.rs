@@ -67,7 +67,19 @@ fn write_connection_file(dir: &Path, key: &str, scheme: &str) -> Result<(PathBuf
     Ok((path, ports))
 }
 
+/// Waits until the child listens on `port`. zeromq's own connect retries with exponential
+/// backoff (50 ms, 100 ms, ...), which would add up to a few hundred ms to every kernel start.
+async fn wait_listening(port: u16) {
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 async fn connect<S: Socket>(mut socket: S, port: u16) -> Result<S> {
+    wait_listening(port).await;
     socket
         .connect(&format!("tcp://127.0.0.1:{port}"))
         .await
