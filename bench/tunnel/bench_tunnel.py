@@ -310,7 +310,7 @@ def machine() -> dict:
     except OSError:
         pass
     return {"nproc": os.cpu_count(), "cpu": model, "kernel": platform.release(),
-            "os": platform.platform()}
+            "os": platform.platform(), "loadavg_at_start": os.getloadavg()[0]}
 
 
 def main() -> int:
@@ -323,6 +323,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = ap.parse_args()
 
+    mach = machine()  # before we add load ourselves
     binary = find_tunnel_binary()
     prefix = jupyter_env()
     jf = None if args.skip_jupyter_forward else ensure_jupyter_forward(args.jupyter_forward_venv)
@@ -444,10 +445,11 @@ def main() -> int:
         "date": today,
         "command": "python " + " ".join([str(Path(sys.argv[0]).resolve().relative_to(REPO))]
                                         + sys.argv[1:]),
-        "machine": machine(),
+        "machine": mach,
         "versions": versions(binary, jf),
         "binary": str(binary),
         "settings": {"rounds": args.rounds, "file_mb": args.file_mb, "requests": args.requests},
+        "loadavg_at_end": os.getloadavg()[0],
         "results": res,
         "medians_startup_s": med,
         "medians_context_s": ctx,
@@ -470,7 +472,10 @@ def markdown(r: dict) -> str:
         f"Command: `{r['command']}` (binary: `{r['binary']}`)",
         "",
         f"Machine: {r['machine']['nproc']} CPUs, {r['machine']['cpu']}, Linux {r['machine']['kernel']}.",
-        "The \"remote\" is the same machine: an OpenSSH sshd on 127.0.0.1 started by the bench.",
+        "The \"remote\" is the same machine: an OpenSSH sshd on 127.0.0.1 started by the bench. "
+        f"1-minute load average {r['machine']['loadavg_at_start']:.2f} at the start and "
+        f"{r['loadavg_at_end']:.2f} at the end (the machine is shared; rounds are interleaved so "
+        "that load hits every contender alike).",
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
         "",
