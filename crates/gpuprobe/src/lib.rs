@@ -3,14 +3,19 @@
 //! - [`nvml`]: per-GPU and per-process memory through NVML, loaded at run time, so a binary
 //!   built here runs (and explains itself) on machines with no NVIDIA driver.
 //! - [`process`]: who a pid belongs to and what it runs, read from `/proc`.
-//! - `torch` (cargo feature `torch`): libtorch through tch; the allocator shim lives here.
+//! - `torch` (cargo feature `torch`): libtorch through tch; serves the plugin's requests.
+//! - `allocator` (cargo feature `torch`): libtorch's CUDA caching allocator through a small C++
+//!   shim (`shim/`), since tch has no allocator API.
 //!
 //! Everything returns plain data; rendering is the caller's business.
 
+#[cfg(feature = "torch")]
+pub mod allocator;
 pub mod error;
 pub mod nvml;
 pub mod plugin_api;
 pub mod process;
+pub mod search;
 #[cfg(feature = "torch")]
 pub mod torch;
 pub mod units;

@@ -27,6 +27,54 @@ pub enum Request {
     Info,
     /// A small computation proving libtorch loads and computes.
     Smoke { device: DeviceSpec },
+    /// This process's caching allocator: whether it is initialised (CUDA has been used in
+    /// this process) and, if so, [`AllocatorStats`] per visible device. Never creates a
+    /// context.
+    AllocatorStats,
+    /// Releases cached, unused blocks of this process's caching allocator (no-op without a
+    /// context). Replies with [`AllocatorStats`] after.
+    EmptyCache,
+    /// Resets the peak counters of `device`. Replies with [`AllocatorStats`] after.
+    ResetPeak { device: usize },
+    /// Caps this process's allocator on `device` at `fraction` (0 to 1) of the device's
+    /// memory. Replies with [`AllocatorStats`] after. Refused for a device that has no CUDA
+    /// context in this process (setting it would create one).
+    SetMemoryFraction { device: usize, fraction: f64 },
+    /// Allocates `bytes` on `device` through the caching allocator, as a tensor would, and
+    /// frees them (the block stays cached). Creates a CUDA context when there is none. An OOM
+    /// is a `Failure` of kind `"out_of_memory"`; replies with [`AllocatorStats`] after.
+    TryAllocate { device: usize, bytes: u64 },
+}
+
+/// One figure of the allocator, as c10 keeps it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stat {
+    pub current: i64,
+    pub peak: i64,
+}
+
+/// c10's DeviceStats for one device (aggregate over pools).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceAllocatorStats {
+    pub device: usize,
+    pub allocated_bytes: Stat,
+    pub reserved_bytes: Stat,
+    pub active_bytes: Stat,
+    pub inactive_split_bytes: Stat,
+    pub num_alloc_retries: i64,
+    pub num_ooms: i64,
+    /// cudaMemGetInfo for the device: (free, total). Both 0 when this process has no context
+    /// on the device (reading them would create one).
+    pub free: u64,
+    pub total: u64,
+}
+
+/// Reply to [`Request::AllocatorStats`] and the other allocator requests.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocatorStats {
+    /// False until CUDA is used in this process (no context yet); then `devices` is empty.
+    pub initialized: bool,
+    pub devices: Vec<DeviceAllocatorStats>,
 }
 
 /// What libtorch can do on this machine.
@@ -37,6 +85,9 @@ pub struct LibtorchInfo {
     pub cudnn_available: bool,
 }
 
+/// `kind` is `"out_of_memory"` when CUDA ran out of memory (detected by the exception's type
+/// in C++, never by its text), `"not_initialised"` (an allocator operation before CUDA was
+/// used in this process), `"torch"` for other libtorch errors, `"bad_request"`, `"panic"`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Failure {
     pub kind: String,
@@ -57,5 +108,59 @@ impl Reply {
             kind: kind.to_string(),
             message: message.into(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// gpukernel builds these requests and reads these replies: their JSON is the contract.
+    #[test]
+    fn allocator_requests_and_replies_keep_their_json_shape() {
+        let cases = [
+            (Request::AllocatorStats, json!({"op": "allocator_stats"})),
+            (Request::EmptyCache, json!({"op": "empty_cache"})),
+            (
+                Request::ResetPeak { device: 1 },
+                json!({"op": "reset_peak", "device": 1}),
+            ),
+            (
+                Request::SetMemoryFraction {
+                    device: 0,
+                    fraction: 0.5,
+                },
+                json!({"op": "set_memory_fraction", "device": 0, "fraction": 0.5}),
+            ),
+            (
+                Request::TryAllocate {
+                    device: 0,
+                    bytes: 1 << 40,
+                },
+                json!({"op": "try_allocate", "device": 0, "bytes": 1u64 << 40}),
+            ),
+        ];
+        for (request, expected) in cases {
+            assert_eq!(serde_json::to_value(&request).ok(), Some(expected));
+        }
+        let stats = AllocatorStats {
+            initialized: true,
+            devices: vec![DeviceAllocatorStats {
+                allocated_bytes: Stat {
+                    current: 1,
+                    peak: 2,
+                },
+                ..Default::default()
+            }],
+        };
+        let value = serde_json::to_value(&stats).expect("serialises");
+        assert_eq!(
+            value["devices"][0]["allocated_bytes"],
+            json!({"current": 1, "peak": 2})
+        );
+        assert_eq!(value["devices"][0]["free"], 0);
+        let back: AllocatorStats = serde_json::from_value(value).expect("round trip");
+        assert_eq!(back, stats);
     }
 }

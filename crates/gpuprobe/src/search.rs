@@ -1,0 +1,458 @@
+//! Finding the largest batch that fits, in a few trials.
+//!
+//! Memory of a training step is close to affine in the batch size (a fixed part: weights,
+//! gradients, optimizer state, workspaces; plus activations per sample). So instead of doubling
+//! until an OOM and then bisecting (Lightning's finder: ~20 trials), we measure the peak of two
+//! small steps, fit a line, jump to the predicted limit, and confirm it with its neighbour.
+//! Where the fit misleads (non-linear models, cuDNN workspace jumps, noise) a bracket
+//! `[largest that fits, smallest that does not]` keeps shrinking: predictions are interpolated
+//! between the measured points nearest the limit, clamped inside the bracket, and replaced by
+//! bisection whenever they stop halving it. The search is pure: a `probe` closure runs the real
+//! step, so tests drive it with deterministic memory functions.
+
+use serde::Serialize;
+
+/// What one trial step did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum Outcome {
+    /// The step ran; `peak` is its peak allocated memory in bytes.
+    Ran { peak: u64 },
+    /// CUDA ran out of memory (detected by type, never by text).
+    OutOfMemory,
+}
+
+/// One trial as recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Trial {
+    pub batch: u64,
+    pub outcome: Outcome,
+    /// Whether it fits the budget: ran and peaked at or under the limit.
+    pub fits: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SearchConfig {
+    /// Memory budget in bytes: a step fits if its peak is at or under it.
+    pub limit: u64,
+    /// Largest batch worth trying.
+    pub max_batch: u64,
+    /// Trial budget; the search stops there even if not exact.
+    pub max_trials: usize,
+    /// The two opening batch sizes (the line's two points).
+    pub opening: (u64, u64),
+}
+
+impl Default for SearchConfig {
+    fn default() -> Self {
+        Self {
+            limit: u64::MAX,
+            max_batch: 1 << 20,
+            max_trials: 12,
+            opening: (2, 16),
+        }
+    }
+}
+
+/// Why the search stopped early.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stop {
+    /// The caller asked to stop (an interrupt).
+    Cancelled,
+    /// The probe failed for another reason (message).
+    Failed(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SearchResult {
+    /// Largest batch seen to fit; `None` if not even the smallest did.
+    pub max_fit: Option<u64>,
+    /// Smallest batch seen not to fit.
+    pub min_fail: Option<u64>,
+    /// `max_fit + 1 == min_fail` (or `max_fit == max_batch`): the answer is exact.
+    pub exact: bool,
+    pub trials: Vec<Trial>,
+    /// Fixed bytes and bytes per sample of the line through the two opening trials.
+    pub fit: Option<(f64, f64)>,
+    pub stopped: Option<Stop>,
+}
+
+/// Runs the model-guided search. `probe(batch)` runs one real step.
+pub fn search(
+    config: &SearchConfig,
+    mut probe: impl FnMut(u64) -> Result<Outcome, Stop>,
+) -> SearchResult {
+    let mut state = State::new(config);
+    let (a, b) = config.opening;
+    let openings = [a.clamp(1, config.max_batch), b.clamp(1, config.max_batch)];
+    for batch in openings {
+        if state.done() || state.trials.iter().any(|t| t.batch == batch) {
+            continue;
+        }
+        if let Err(stop) = state.run(batch, &mut probe) {
+            return state.finish(Some(stop));
+        }
+    }
+    let mut widths: Vec<u64> = Vec::new();
+    while !state.done() && state.trials.len() < config.max_trials {
+        let next = state.next_batch(&widths);
+        if let Err(stop) = state.run(next, &mut probe) {
+            return state.finish(Some(stop));
+        }
+        if let (Some(lo), Some(hi)) = (state.lo, state.hi) {
+            widths.push(hi - lo);
+        }
+    }
+    state.finish(None)
+}
+
+/// Lightning's algorithm in the same harness, for comparison: double from `start` until a
+/// step does not fit, then bisect.
+pub fn double_then_bisect(
+    config: &SearchConfig,
+    start: u64,
+    mut probe: impl FnMut(u64) -> Result<Outcome, Stop>,
+) -> SearchResult {
+    let mut state = State::new(config);
+    let mut batch = start.clamp(1, config.max_batch);
+    while !state.done() && state.trials.len() < config.max_trials {
+        if let Err(stop) = state.run(batch, &mut probe) {
+            return state.finish(Some(stop));
+        }
+        batch = match (state.lo, state.hi) {
+            (Some(lo), None) => (lo * 2).min(config.max_batch),
+            (lo, Some(hi)) => {
+                let lo = lo.unwrap_or(0);
+                lo + (hi - lo) / 2
+            }
+            (None, None) => break,
+        };
+        if batch == 0 {
+            break;
+        }
+    }
+    state.finish(None)
+}
+
+struct State<'a> {
+    config: &'a SearchConfig,
+    trials: Vec<Trial>,
+    lo: Option<u64>,
+    hi: Option<u64>,
+}
+
+impl<'a> State<'a> {
+    fn new(config: &'a SearchConfig) -> Self {
+        Self {
+            config,
+            trials: Vec::new(),
+            lo: None,
+            hi: None,
+        }
+    }
+
+    fn done(&self) -> bool {
+        match (self.lo, self.hi) {
+            (Some(lo), Some(hi)) => hi <= lo + 1,
+            (Some(lo), None) => lo >= self.config.max_batch,
+            (None, Some(hi)) => hi <= 1,
+            (None, None) => false,
+        }
+    }
+
+    fn run(
+        &mut self,
+        batch: u64,
+        probe: &mut impl FnMut(u64) -> Result<Outcome, Stop>,
+    ) -> Result<(), Stop> {
+        let outcome = probe(batch)?;
+        let fits = matches!(outcome, Outcome::Ran { peak } if peak <= self.config.limit);
+        if fits {
+            self.lo = Some(self.lo.map_or(batch, |lo| lo.max(batch)));
+        } else {
+            self.hi = Some(self.hi.map_or(batch, |hi| hi.min(batch)));
+        }
+        self.trials.push(Trial {
+            batch,
+            outcome,
+            fits,
+        });
+        Ok(())
+    }
+
+    /// Measured (batch, peak) points, ascending by batch.
+    fn points(&self) -> Vec<(u64, u64)> {
+        let mut points: Vec<(u64, u64)> = self
+            .trials
+            .iter()
+            .filter_map(|t| match t.outcome {
+                Outcome::Ran { peak } => Some((t.batch, peak)),
+                Outcome::OutOfMemory => None,
+            })
+            .collect();
+        points.sort_unstable();
+        points.dedup_by_key(|p| p.0);
+        points
+    }
+
+    /// The batch where the memory curve through the measured points reaches the limit.
+    fn predict(&self) -> Option<u64> {
+        let points = self.points();
+        let limit = self.config.limit as f64;
+        let below: Vec<(f64, f64)> = points
+            .iter()
+            .filter(|p| p.1 <= self.config.limit)
+            .map(|p| (p.0 as f64, p.1 as f64))
+            .collect();
+        let upper = *below.last()?;
+        // Two points straddling the limit: interpolate (regula falsi).
+        if let Some(&(x1, y1)) = points.iter().find(|p| p.1 > self.config.limit) {
+            let (x1, y1) = (x1 as f64, y1 as f64);
+            if y1 > upper.1 && x1 > upper.0 {
+                return at_least_one(upper.0 + (limit - upper.1) * (x1 - upper.0) / (y1 - upper.1));
+            }
+        }
+        // Three points below: a parabola follows convex growth (attention, packing) that a line
+        // through far-apart points underestimates. Used only when it bends upwards.
+        if below.len() >= 3 {
+            let [p0, p1, p2] = [below[below.len() - 3], below[below.len() - 2], upper];
+            let s01 = (p1.1 - p0.1) / (p1.0 - p0.0);
+            let s12 = (p2.1 - p1.1) / (p2.0 - p1.0);
+            let c = (s12 - s01) / (p2.0 - p0.0);
+            // Significant curvature only: noise of a straight line must not bend the fit.
+            if c > 0.0 && s12 > 1.25 * s01 {
+                let b = s12 - c * (p1.0 + p2.0);
+                let a = p2.1 - b * p2.0 - c * p2.0 * p2.0;
+                let disc = b * b - 4.0 * c * (a - limit);
+                if disc >= 0.0 {
+                    return at_least_one((-b + disc.sqrt()) / (2.0 * c));
+                }
+            }
+        }
+        // A line through the point nearest the limit and one at most half its batch (a local
+        // slope that noise in neighbouring points cannot swing).
+        let lower = below
+            .iter()
+            .rev()
+            .find(|p| p.0 * 2.0 <= upper.0)
+            .or_else(|| below.first().filter(|p| p.0 < upper.0))?;
+        let slope = (upper.1 - lower.1) / (upper.0 - lower.0);
+        if slope <= 0.0 {
+            return None;
+        }
+        at_least_one(upper.0 + (limit - upper.1) / slope)
+    }
+
+    fn next_batch(&self, widths: &[u64]) -> u64 {
+        let max = self.config.max_batch;
+        let prediction = self.predict();
+        let last = self.trials.last();
+        let previous = self.trials.len().checked_sub(2).map(|i| self.trials[i]);
+        match (self.lo, self.hi) {
+            (Some(lo), Some(hi)) => {
+                let mid = lo + (hi - lo) / 2;
+                // Bisect when the last two steps did not halve the bracket.
+                let stalled = widths.len() >= 3
+                    && widths[widths.len() - 1] * 2 > widths[widths.len() - 3];
+                let candidate = match prediction {
+                    _ if stalled => mid,
+                    Some(p) if lo < p && p < hi => p,
+                    // The model says `lo` is the maximum: confirm with its neighbour.
+                    Some(p) if p <= lo => lo + 1,
+                    // The model overshoots (its prediction failed): back off a little once,
+                    // then bisect until a step fits and the model can be refitted nearby.
+                    _ => match (last, previous) {
+                        (Some(l), Some(p)) if !l.fits && p.fits => hi - ((hi - lo) / 32).max(1),
+                        _ => mid,
+                    },
+                };
+                candidate.clamp(lo + 1, hi - 1)
+            }
+            (Some(lo), None) => match prediction {
+                Some(p) if p > lo => p.min(max),
+                // Predicted exactly `lo`: confirm with its neighbour.
+                Some(_) => (lo + 1).min(max),
+                None => (lo * 2).min(max),
+            },
+            (None, Some(hi)) => match prediction {
+                Some(p) if p < hi => p.max(1),
+                _ => (hi / 2).max(1),
+            },
+            (None, None) => 1,
+        }
+    }
+
+    fn finish(self, stopped: Option<Stop>) -> SearchResult {
+        let fit = {
+            let ran: Vec<(u64, u64)> = self
+                .trials
+                .iter()
+                .take(2)
+                .filter_map(|t| match t.outcome {
+                    Outcome::Ran { peak } => Some((t.batch, peak)),
+                    Outcome::OutOfMemory => None,
+                })
+                .collect();
+            match ran.as_slice() {
+                [(x0, y0), (x1, y1)] if x1 != x0 => {
+                    let slope = (*y1 as f64 - *y0 as f64) / (*x1 as f64 - *x0 as f64);
+                    Some((*y0 as f64 - slope * *x0 as f64, slope))
+                }
+                _ => None,
+            }
+        };
+        let exact = match (self.lo, self.hi) {
+            (Some(lo), Some(hi)) => hi == lo + 1,
+            (Some(lo), None) => lo >= self.config.max_batch,
+            (None, Some(hi)) => hi == 1,
+            (None, None) => false,
+        };
+        SearchResult {
+            max_fit: self.lo,
+            min_fail: self.hi,
+            exact: exact && stopped.is_none(),
+            trials: self.trials,
+            fit,
+            stopped,
+        }
+    }
+}
+
+fn at_least_one(batch: f64) -> Option<u64> {
+    batch.is_finite().then(|| batch.floor().max(1.0) as u64)
+}
+
+/// The batch to use: `max` less `margin` (a fraction), rounded down to a multiple of 8 where
+/// that keeps at least 8 (tensor cores like multiples of 8).
+pub fn recommend(max: u64, margin: f64) -> u64 {
+    let with_margin = ((max as f64) * (1.0 - margin.clamp(0.0, 0.9))).floor() as u64;
+    if with_margin >= 16 {
+        with_margin - with_margin % 8
+    } else {
+        with_margin.max(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
+
+    /// A device of `capacity` bytes and a memory function: OOM above capacity.
+    fn device(capacity: u64, memory: impl Fn(u64) -> u64) -> impl FnMut(u64) -> Result<Outcome, Stop> {
+        move |b| {
+            let m = memory(b);
+            Ok(if m > capacity { Outcome::OutOfMemory } else { Outcome::Ran { peak: m } })
+        }
+    }
+
+    fn true_max(limit: u64, memory: impl Fn(u64) -> u64, cap: u64) -> u64 {
+        (1..=cap).take_while(|b| memory(*b) <= limit).last().unwrap_or(0)
+    }
+
+    fn check(memory: impl Fn(u64) -> u64 + Copy, capacity: u64, limit: u64, trial_bound: usize) -> SearchResult {
+        let config = SearchConfig { limit, max_batch: 1 << 16, ..SearchConfig::default() };
+        let result = search(&config, device(capacity, memory));
+        let expected = true_max(limit, memory, 1 << 16);
+        assert_eq!(result.max_fit, Some(expected), "trials: {:?}", result.trials);
+        assert!(result.exact, "{result:?}");
+        assert!(result.trials.len() <= trial_bound, "{} trials: {:?}", result.trials.len(), result.trials);
+        result
+    }
+
+    // ResNet-50 fp32 + Adam on an H200, as measured: ~0.4 GiB fixed, 82.7 MiB per sample.
+    fn resnet50(b: u64) -> u64 {
+        400 * MIB + b * 82_700 * MIB / 1000
+    }
+
+    #[test]
+    fn linear_memory_is_found_in_four_trials() {
+        let result = check(resnet50, 140 * GIB, 140 * GIB, 4);
+        assert!(result.max_fit.unwrap() > 1700);
+        let (fixed, per_sample) = result.fit.unwrap();
+        assert!((per_sample - 82.7 * MIB as f64).abs() < MIB as f64);
+        assert!((fixed - 400.0 * MIB as f64).abs() < 2.0 * MIB as f64);
+    }
+
+    #[test]
+    fn a_limit_below_the_device_is_honoured() {
+        // Answer for a 24 GiB card while running on a 140 GiB one.
+        check(resnet50, 140 * GIB, 24 * GIB, 5);
+    }
+
+    #[test]
+    fn steps_in_memory_are_bracketed() {
+        // A cuDNN workspace that jumps by 2 GiB past batch 512, and another past 1400.
+        let stepped = |b: u64| resnet50(b) + if b > 512 { 2 * GIB } else { 0 } + if b > 1400 { 3 * GIB } else { 0 };
+        check(stepped, 140 * GIB, 140 * GIB, 10);
+    }
+
+    #[test]
+    fn non_linear_memory_converges() {
+        // Attention-like: quadratic in batch (sequence packing), plus a fixed part.
+        let quadratic = |b: u64| GIB + b * 4 * MIB + b * b * 64 * 1024;
+        check(quadratic, 80 * GIB, 80 * GIB, 10);
+    }
+
+    #[test]
+    fn noisy_memory_converges() {
+        // ±1.5% deterministic jitter on the activation part.
+        let noisy = |b: u64| {
+            let jitter = ((b.wrapping_mul(2654435761) % 1000) as f64 / 1000.0 - 0.5) * 0.03;
+            400 * MIB + ((b * 82 * MIB) as f64 * (1.0 + jitter)) as u64
+        };
+        let config = SearchConfig { limit: 140 * GIB, max_batch: 1 << 16, ..SearchConfig::default() };
+        let result = search(&config, device(140 * GIB, noisy));
+        // Noise makes "fits" non-monotonic near the limit; the answer must still be a batch that
+        // fits with its neighbour failing, found within the budget.
+        let max = result.max_fit.unwrap();
+        assert!(noisy(max) <= 140 * GIB && noisy(max + 1) > 140 * GIB || !result.exact, "{result:?}");
+        assert!(result.exact);
+        assert!(result.trials.len() <= 12);
+    }
+
+    #[test]
+    fn nothing_fits_and_everything_fits() {
+        let huge = |_b: u64| 200 * GIB;
+        let config = SearchConfig { limit: 140 * GIB, max_batch: 1024, ..SearchConfig::default() };
+        let result = search(&config, device(140 * GIB, huge));
+        assert_eq!(result.max_fit, None);
+        assert_eq!(result.min_fail, Some(1));
+        let tiny = |b: u64| b;
+        let result = search(&config, device(140 * GIB, tiny));
+        assert_eq!(result.max_fit, Some(1024));
+        assert!(result.exact);
+    }
+
+    #[test]
+    fn a_cancel_stops_the_search() {
+        let config = SearchConfig::default();
+        let mut calls = 0;
+        let result = search(&config, |b| {
+            calls += 1;
+            if calls == 3 { Err(Stop::Cancelled) } else { Ok(Outcome::Ran { peak: b }) }
+        });
+        assert_eq!(result.stopped, Some(Stop::Cancelled));
+        assert_eq!(result.trials.len(), 2);
+        assert!(!result.exact);
+    }
+
+    #[test]
+    fn double_then_bisect_needs_many_more_trials() {
+        let config = SearchConfig { limit: 140 * GIB, max_batch: 1 << 16, max_trials: 64, ..SearchConfig::default() };
+        let baseline = double_then_bisect(&config, 2, device(140 * GIB, resnet50));
+        let ours = search(&config, device(140 * GIB, resnet50));
+        assert_eq!(baseline.max_fit, ours.max_fit);
+        assert!(baseline.trials.len() >= 3 * ours.trials.len(), "{} vs {}", baseline.trials.len(), ours.trials.len());
+    }
+
+    #[test]
+    fn recommendation_applies_margin_and_rounds() {
+        assert_eq!(recommend(1705, 0.05), 1616);
+        assert_eq!(recommend(10, 0.05), 9);
+        assert_eq!(recommend(1, 0.5), 1);
+    }
+}
