@@ -198,6 +198,12 @@ pub fn set_memory_fraction(device: usize, fraction: f64) -> Result<(), Allocator
 /// them (the block stays cached). Creates a CUDA context on `device` if there is none.
 pub fn try_allocate(device: usize, bytes: u64) -> Result<(), AllocatorError> {
     let index = device_index(device)?;
+    // Tensor sizes are int64_t in libtorch.
+    if i64::try_from(bytes).is_err() {
+        return Err(AllocatorError::InvalidArgument(format!(
+            "cannot allocate {bytes} bytes: more than a tensor can hold"
+        )));
+    }
     // SAFETY: the buffer outlives the call.
     call(|err, len| unsafe { gpa_try_allocate(index, bytes, err, len) })
 }
@@ -255,6 +261,10 @@ mod tests {
         ));
         assert!(matches!(
             reset_peak(1000),
+            Err(AllocatorError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            try_allocate(0, u64::MAX),
             Err(AllocatorError::InvalidArgument(_))
         ));
     }
