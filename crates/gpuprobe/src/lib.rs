@@ -12,6 +12,8 @@
 #[cfg(feature = "torch")]
 pub mod allocator;
 pub mod error;
+#[cfg(feature = "torch")]
+pub mod maxbatch;
 pub mod nvml;
 pub mod plugin_api;
 pub mod process;

@@ -44,6 +44,78 @@ pub enum Request {
     /// frees them (the block stays cached). Creates a CUDA context when there is none. An OOM
     /// is a `Failure` of kind `"out_of_memory"`; replies with [`AllocatorStats`] after.
     TryAllocate { device: usize, bytes: u64 },
+    /// `%maxbatch`: search for the largest batch that fits; progress events are
+    /// `{"event":"trial", "batch", "outcome", "fits", "ms", "limit"}`. Replies [`MaxBatchReport`].
+    MaxBatch(MaxBatchRequest),
+    /// Builds the model and runs one step of batch 1 on the CPU (no GPU here). Replies a
+    /// sentence saying what ran.
+    ValidateOnCpu(MaxBatchRequest),
+}
+
+/// Where the model comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ModelSource {
+    /// A `tch::vision` architecture with random weights.
+    Builtin { name: String },
+    /// A TorchScript file.
+    TorchScript { path: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    None,
+    Sgd,
+    Adam,
+    Adamw,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    Fp16,
+    Bf16,
+}
+
+/// What `%maxbatch` asks for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MaxBatchRequest {
+    pub model: ModelSource,
+    /// Shape of one sample (default: the built-in's usual input).
+    pub input: Option<Vec<i64>>,
+    /// Integer token inputs in `0..vocab` instead of floats (language models).
+    pub vocab: Option<i64>,
+    /// Parameters and inputs in this precision instead of fp32.
+    pub dtype: Option<Precision>,
+    pub optimizer: OptimizerKind,
+    /// Forward only, without gradients.
+    pub inference: bool,
+    pub device: usize,
+    /// Memory budget in bytes (default: what the device has free, plus what we hold).
+    pub limit: Option<u64>,
+    pub max_batch: u64,
+    pub max_trials: usize,
+    /// Run Lightning's double-then-bisect instead (for benchmarks).
+    #[serde(default)]
+    pub baseline_search: bool,
+}
+
+/// The result of [`Request::MaxBatch`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MaxBatchReport {
+    /// `crate::search::SearchResult` as JSON.
+    pub search: Value,
+    pub limit: u64,
+    /// Allocated bytes with the model built, before the first trial.
+    pub baseline_allocated: u64,
+    /// Allocated and reserved bytes after the model was dropped and the cache emptied.
+    pub after_allocated: u64,
+    pub after_reserved: u64,
+    /// (batch, milliseconds) of each trial.
+    pub trial_ms: Vec<(u64, f64)>,
+    pub elapsed_ms: f64,
+    pub device_total: u64,
 }
 
 /// One figure of the allocator, as c10 keeps it.

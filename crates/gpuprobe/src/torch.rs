@@ -41,7 +41,7 @@ pub fn smoke_test(device: Device) -> Result<f64, ProbeError> {
 
 /// Serves one plugin request (JSON in, [`Reply`] out). `progress` receives events of long
 /// operations and returns true to cancel.
-pub fn handle(request: &str, _progress: &dyn Fn(&str) -> bool) -> Reply {
+pub fn handle(request: &str, progress: &dyn Fn(&str) -> bool) -> Reply {
     let request: Request = match serde_json::from_str(request) {
         Ok(r) => r,
         Err(e) => return Reply::failure("bad_request", e.to_string()),
@@ -60,6 +60,12 @@ pub fn handle(request: &str, _progress: &dyn Fn(&str) -> bool) -> Reply {
         Request::TryAllocate { device, bytes } => {
             allocator_reply(allocator::try_allocate(device, bytes))
         }
+        Request::MaxBatch(request) => crate::maxbatch::run(&request, progress)
+            .and_then(|report| serde_json::to_value(report).map_err(|e| e.to_string()))
+            .map_err(torch_failure),
+        Request::ValidateOnCpu(request) => crate::maxbatch::validate_on_cpu(&request)
+            .map(serde_json::Value::from)
+            .map_err(torch_failure),
     };
     match result {
         Ok(value) => Reply::Ok(value),

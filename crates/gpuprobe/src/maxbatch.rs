@@ -1,0 +1,403 @@
+//! `%maxbatch` on libtorch (feature `torch`): real training steps of a model at trial batch
+//! sizes, their peak memory read from the caching allocator, driven by [`crate::search`].
+//!
+//! Every trial starts from the same state: parameters and optimizer state are created once
+//! (their memory is part of the fixed cost), gradients are zeroed and every activation dropped
+//! after each step, and the peak counter is reset before the next. An OOM is recognised by the
+//! allocator's own `num_ooms` counter going up, not by the error's text.
+
+use crate::allocator;
+use crate::plugin_api::{MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision};
+use crate::search::{self, Outcome, SearchConfig, Stop};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Instant;
+use tch::nn::{self, ModuleT};
+use tch::{Device, Kind, Tensor};
+
+/// A model we can train a step of.
+enum Model {
+    Builtin(Box<dyn ModuleT>),
+    Script(tch::CModule),
+}
+
+impl Model {
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, String> {
+        match self {
+            Model::Builtin(m) => Ok(m.forward_t(x, train)),
+            Model::Script(m) => m.forward_ts(&[x]).map_err(|e| e.to_string()),
+        }
+    }
+}
+
+/// The per-sample input shape a built-in model expects.
+fn default_input(name: &str) -> Vec<i64> {
+    match name {
+        "inception_v3" => vec![3, 299, 299],
+        n if n.starts_with("dinov2") => vec![3, 224, 224],
+        _ => vec![3, 224, 224],
+    }
+}
+
+/// Built-in architectures from `tch::vision`, random weights.
+pub const BUILTINS: &[&str] = &[
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "vgg11",
+    "vgg13",
+    "vgg16",
+    "vgg19",
+    "densenet121",
+    "densenet161",
+    "densenet169",
+    "densenet201",
+    "efficientnet_b0",
+    "efficientnet_b1",
+    "efficientnet_b2",
+    "efficientnet_b3",
+    "efficientnet_b4",
+    "efficientnet_b5",
+    "efficientnet_b6",
+    "efficientnet_b7",
+    "mobilenet_v2",
+    "inception_v3",
+    "convmixer_1536_20",
+    "convmixer_1024_20",
+];
+
+fn builtin(name: &str, p: &nn::Path) -> Option<Box<dyn ModuleT>> {
+    use tch::vision::*;
+    const C: i64 = 1000;
+    Some(match name {
+        "resnet18" => Box::new(resnet::resnet18(p, C)),
+        "resnet34" => Box::new(resnet::resnet34(p, C)),
+        "resnet50" => Box::new(resnet::resnet50(p, C)),
+        "resnet101" => Box::new(resnet::resnet101(p, C)),
+        "resnet152" => Box::new(resnet::resnet152(p, C)),
+        "vgg11" => Box::new(vgg::vgg11(p, C)),
+        "vgg13" => Box::new(vgg::vgg13(p, C)),
+        "vgg16" => Box::new(vgg::vgg16(p, C)),
+        "vgg19" => Box::new(vgg::vgg19(p, C)),
+        "densenet121" => Box::new(densenet::densenet121(p, C)),
+        "densenet161" => Box::new(densenet::densenet161(p, C)),
+        "densenet169" => Box::new(densenet::densenet169(p, C)),
+        "densenet201" => Box::new(densenet::densenet201(p, C)),
+        "efficientnet_b0" => Box::new(efficientnet::b0(p, C)),
+        "efficientnet_b1" => Box::new(efficientnet::b1(p, C)),
+        "efficientnet_b2" => Box::new(efficientnet::b2(p, C)),
+        "efficientnet_b3" => Box::new(efficientnet::b3(p, C)),
+        "efficientnet_b4" => Box::new(efficientnet::b4(p, C)),
+        "efficientnet_b5" => Box::new(efficientnet::b5(p, C)),
+        "efficientnet_b6" => Box::new(efficientnet::b6(p, C)),
+        "efficientnet_b7" => Box::new(efficientnet::b7(p, C)),
+        "mobilenet_v2" => Box::new(mobilenet::v2(p, C)),
+        "inception_v3" => Box::new(inception::v3(p, C)),
+        "convmixer_1536_20" => Box::new(convmixer::c1536_20(p, C)),
+        "convmixer_1024_20" => Box::new(convmixer::c1024_20(p, C)),
+        _ => return None,
+    })
+}
+
+fn kind(precision: Option<Precision>) -> Kind {
+    match precision {
+        Some(Precision::Bf16) => Kind::BFloat16,
+        Some(Precision::Fp16) => Kind::Half,
+        None => Kind::Float,
+    }
+}
+
+/// A model on a device with its optimizer, ready for trial steps.
+struct Trainer {
+    model: Model,
+    vs: Option<nn::VarStore>,
+    optimizer: Option<tch::COptimizer>,
+    device: Device,
+    input: Vec<i64>,
+    vocab: Option<i64>,
+    dtype: Kind,
+    inference: bool,
+}
+
+fn torch_err(e: tch::TchError) -> String {
+    e.to_string()
+}
+
+impl Trainer {
+    fn new(request: &MaxBatchRequest, device: Device) -> Result<Self, String> {
+        let dtype = kind(request.dtype);
+        let (model, vs, input) = match &request.model {
+            ModelSource::Builtin { name } => {
+                let mut vs = nn::VarStore::new(device);
+                let model = builtin(name, &vs.root()).ok_or_else(|| {
+                    format!("unknown model {name:?}; built-ins: {}", BUILTINS.join(", "))
+                })?;
+                if dtype != Kind::Float {
+                    vs.set_kind(dtype);
+                }
+                let input = request.input.clone().unwrap_or_else(|| default_input(name));
+                (Model::Builtin(model), Some(vs), input)
+            }
+            ModelSource::TorchScript { path } => {
+                let mut module = tch::CModule::load_on_device(path, device).map_err(torch_err)?;
+                if dtype != Kind::Float {
+                    module.to(device, dtype, false);
+                }
+                let input = request
+                    .input
+                    .clone()
+                    .ok_or("a TorchScript model needs --input SHAPE (the shape of one sample)")?;
+                (Model::Script(module), None, input)
+            }
+        };
+        let mut trainer = Trainer {
+            model,
+            vs,
+            optimizer: None,
+            device,
+            input,
+            vocab: request.vocab,
+            dtype,
+            inference: request.inference,
+        };
+        if !request.inference {
+            trainer.optimizer = trainer.make_optimizer(request.optimizer)?;
+        }
+        Ok(trainer)
+    }
+
+    fn parameters(&self) -> Vec<Tensor> {
+        match (&self.vs, &self.model) {
+            (Some(vs), _) => vs.trainable_variables(),
+            (None, Model::Script(m)) => m
+                .named_parameters()
+                .map(|ps| ps.into_iter().map(|(_, t)| t).collect())
+                .unwrap_or_default(),
+            (None, Model::Builtin(_)) => Vec::new(),
+        }
+    }
+
+    fn make_optimizer(&self, kind: OptimizerKind) -> Result<Option<tch::COptimizer>, String> {
+        let mut optimizer = match kind {
+            OptimizerKind::None => return Ok(None),
+            OptimizerKind::Sgd => tch::COptimizer::sgd(1e-3, 0.9, 0.0, 0.0, false),
+            OptimizerKind::Adam => tch::COptimizer::adam(1e-3, 0.9, 0.999, 0.0, 1e-8, false),
+            OptimizerKind::Adamw => tch::COptimizer::adamw(1e-3, 0.9, 0.999, 0.01, 1e-8, false),
+        }
+        .map_err(torch_err)?;
+        for p in self.parameters() {
+            optimizer.add_parameters(&p, 0).map_err(torch_err)?;
+        }
+        Ok(Some(optimizer))
+    }
+
+    fn batch_input(&self, batch: u64) -> Result<Tensor, String> {
+        let mut shape = vec![batch as i64];
+        shape.extend(&self.input);
+        match self.vocab {
+            Some(vocab) => Tensor::f_randint(vocab, shape.as_slice(), (Kind::Int64, self.device)),
+            None => Tensor::f_randn(shape.as_slice(), (self.dtype, self.device)),
+        }
+        .map_err(torch_err)
+    }
+
+    /// One full step: forward, and unless `inference`, backward and the optimizer's update.
+    /// The optimizer state is allocated by a real step, so it counts in the fixed part.
+    fn step(&mut self, batch: u64) -> Result<(), String> {
+        let x = self.batch_input(batch)?;
+        if self.inference {
+            let _guard = tch::no_grad_guard();
+            let y = self.model.forward(&x, false)?;
+            drop(y);
+            return Ok(());
+        }
+        let y = self.model.forward(&x, true)?;
+        let loss = y.f_mean(y.kind()).map_err(torch_err)?;
+        loss.f_backward().map_err(torch_err)?;
+        if let Some(optimizer) = &mut self.optimizer {
+            optimizer.step().map_err(torch_err)?;
+            optimizer.zero_grad().map_err(torch_err)?;
+        } else {
+            for p in self.parameters() {
+                let mut grad = p.grad();
+                if grad.defined() {
+                    let _ = grad.f_zero_();
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn ooms(device: usize) -> i64 {
+    allocator::device_stats(device)
+        .map(|s| s.num_ooms)
+        .unwrap_or(0)
+}
+
+/// Runs one trial: resets the peak, runs a step, reads the peak; an OOM by the counter.
+fn trial(trainer: &mut Trainer, device: usize, batch: u64) -> Result<(Outcome, f64), String> {
+    let _ = allocator::empty_cache();
+    allocator::reset_peak(device).map_err(|e| e.to_string())?;
+    let before = ooms(device);
+    let start = Instant::now();
+    let result = catch_unwind(AssertUnwindSafe(|| trainer.step(batch)));
+    if trainer.device.is_cuda() {
+        let _ = catch_unwind(|| tch::Cuda::synchronize(device as i64));
+    }
+    let ms = start.elapsed().as_secs_f64() * 1000.0;
+    let oom = ooms(device) > before;
+    match result {
+        _ if oom => Ok((Outcome::OutOfMemory, ms)),
+        Ok(Ok(())) => {
+            let stats = allocator::device_stats(device).map_err(|e| e.to_string())?;
+            Ok((
+                Outcome::Ran {
+                    peak: stats.allocated_bytes.peak.max(0) as u64,
+                },
+                ms,
+            ))
+        }
+        Ok(Err(e)) => Err(e),
+        Err(panic) => Err(panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "libtorch failed".into())),
+    }
+}
+
+/// Validates model and input with one tiny step on the CPU (no GPU here).
+pub fn validate_on_cpu(request: &MaxBatchRequest) -> Result<String, String> {
+    let mut trainer = Trainer::new(request, Device::Cpu)?;
+    catch_unwind(AssertUnwindSafe(|| trainer.step(1)))
+        .map_err(|_| "the step failed on the CPU: check the model and --input".to_string())??;
+    Ok(format!(
+        "one training step of batch 1 ran on the CPU with input {:?}",
+        trainer.input
+    ))
+}
+
+/// The search on `request.device`, reporting each trial through `progress` (which returns
+/// true to stop).
+pub fn run(
+    request: &MaxBatchRequest,
+    progress: &dyn Fn(&str) -> bool,
+) -> Result<MaxBatchReport, String> {
+    if !tch::Cuda::is_available() {
+        return Err("no CUDA device is visible to libtorch".into());
+    }
+    let device = request.device;
+    let started = Instant::now();
+    // Creating the model may create this process's CUDA context: measure from after it.
+    let mut trainer = Trainer::new(request, Device::Cuda(device))?;
+    let baseline = allocator::device_stats(device).map_err(|e| e.to_string())?;
+    let free = baseline.free;
+    let limit = request
+        .limit
+        .unwrap_or((baseline.allocated_bytes.current.max(0) as u64).saturating_add(free));
+    let config = SearchConfig {
+        limit,
+        max_batch: request.max_batch,
+        max_trials: request.max_trials,
+        ..SearchConfig::default()
+    };
+    let mut durations: Vec<(u64, f64)> = Vec::new();
+    let probe = |batch: u64| -> Result<Outcome, Stop> {
+        let (outcome, ms) = trial(&mut trainer, device, batch).map_err(Stop::Failed)?;
+        durations.push((batch, ms));
+        let event = serde_json::json!({"event": "trial", "batch": batch, "outcome": outcome,
+                                       "fits": matches!(outcome, Outcome::Ran{peak} if peak <= limit),
+                                       "ms": ms, "limit": limit});
+        if progress(&event.to_string()) {
+            return Err(Stop::Cancelled);
+        }
+        Ok(outcome)
+    };
+    let result = if request.baseline_search {
+        search::double_then_bisect(&config, 2, probe)
+    } else {
+        search::search(&config, probe)
+    };
+    drop(trainer);
+    let _ = allocator::empty_cache();
+    let after = allocator::device_stats(device).map_err(|e| e.to_string())?;
+    Ok(MaxBatchReport {
+        search: serde_json::to_value(&result).map_err(|e| e.to_string())?,
+        limit,
+        baseline_allocated: baseline.allocated_bytes.current.max(0) as u64,
+        after_allocated: after.allocated_bytes.current.max(0) as u64,
+        after_reserved: after.reserved_bytes.current.max(0) as u64,
+        trial_ms: durations,
+        elapsed_ms: started.elapsed().as_secs_f64() * 1000.0,
+        device_total: baseline.total,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plugin_api::{MaxBatchRequest, ModelSource, OptimizerKind};
+
+    fn request(model: ModelSource) -> MaxBatchRequest {
+        MaxBatchRequest {
+            model,
+            input: None,
+            vocab: None,
+            dtype: None,
+            optimizer: OptimizerKind::Adam,
+            inference: false,
+            device: 0,
+            limit: None,
+            max_batch: 1 << 16,
+            max_trials: 12,
+            baseline_search: false,
+        }
+    }
+
+    #[test]
+    fn a_builtin_trains_one_step_on_cpu() {
+        let mut r = request(ModelSource::Builtin {
+            name: "resnet18".into(),
+        });
+        r.input = Some(vec![3, 64, 64]); // small: this is a CPU test
+        let said = validate_on_cpu(&r).expect("resnet18 trains on CPU");
+        assert!(said.contains("[3, 64, 64]"), "{said}");
+    }
+
+    #[test]
+    fn the_optimizer_step_changes_the_weights() {
+        let mut r = request(ModelSource::Builtin {
+            name: "resnet18".into(),
+        });
+        r.input = Some(vec![3, 32, 32]);
+        let mut trainer = Trainer::new(&r, Device::Cpu).expect("model");
+        let before: f64 = trainer.parameters()[0].sum(Kind::Double).double_value(&[]);
+        trainer.step(2).expect("step");
+        let after: f64 = trainer.parameters()[0].sum(Kind::Double).double_value(&[]);
+        assert_ne!(before, after, "Adam updated the first layer");
+    }
+
+    #[test]
+    fn bad_models_and_shapes_are_explained() {
+        let err = validate_on_cpu(&request(ModelSource::Builtin {
+            name: "resnet51".into(),
+        }))
+        .unwrap_err();
+        assert!(
+            err.contains("unknown model \"resnet51\"") && err.contains("resnet50"),
+            "{err}"
+        );
+        let err = validate_on_cpu(&request(ModelSource::TorchScript {
+            path: "/nonexistent.pt".into(),
+        }))
+        .unwrap_err();
+        assert!(!err.is_empty());
+        let mut r = request(ModelSource::Builtin {
+            name: "resnet18".into(),
+        });
+        r.input = Some(vec![7, 8]); // not an image
+        assert!(validate_on_cpu(&r).is_err());
+    }
+}
