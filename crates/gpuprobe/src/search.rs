@@ -253,8 +253,8 @@ impl<'a> State<'a> {
             (Some(lo), Some(hi)) => {
                 let mid = lo + (hi - lo) / 2;
                 // Bisect when the last two steps did not halve the bracket.
-                let stalled = widths.len() >= 3
-                    && widths[widths.len() - 1] * 2 > widths[widths.len() - 3];
+                let stalled =
+                    widths.len() >= 3 && widths[widths.len() - 1] * 2 > widths[widths.len() - 3];
                 let candidate = match prediction {
                     _ if stalled => mid,
                     Some(p) if lo < p && p < hi => p,
@@ -342,24 +342,53 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     /// A device of `capacity` bytes and a memory function: OOM above capacity.
-    fn device(capacity: u64, memory: impl Fn(u64) -> u64) -> impl FnMut(u64) -> Result<Outcome, Stop> {
+    fn device(
+        capacity: u64,
+        memory: impl Fn(u64) -> u64,
+    ) -> impl FnMut(u64) -> Result<Outcome, Stop> {
         move |b| {
             let m = memory(b);
-            Ok(if m > capacity { Outcome::OutOfMemory } else { Outcome::Ran { peak: m } })
+            Ok(if m > capacity {
+                Outcome::OutOfMemory
+            } else {
+                Outcome::Ran { peak: m }
+            })
         }
     }
 
     fn true_max(limit: u64, memory: impl Fn(u64) -> u64, cap: u64) -> u64 {
-        (1..=cap).take_while(|b| memory(*b) <= limit).last().unwrap_or(0)
+        (1..=cap)
+            .take_while(|b| memory(*b) <= limit)
+            .last()
+            .unwrap_or(0)
     }
 
-    fn check(memory: impl Fn(u64) -> u64 + Copy, capacity: u64, limit: u64, trial_bound: usize) -> SearchResult {
-        let config = SearchConfig { limit, max_batch: 1 << 16, ..SearchConfig::default() };
+    fn check(
+        memory: impl Fn(u64) -> u64 + Copy,
+        capacity: u64,
+        limit: u64,
+        trial_bound: usize,
+    ) -> SearchResult {
+        let config = SearchConfig {
+            limit,
+            max_batch: 1 << 16,
+            ..SearchConfig::default()
+        };
         let result = search(&config, device(capacity, memory));
         let expected = true_max(limit, memory, 1 << 16);
-        assert_eq!(result.max_fit, Some(expected), "trials: {:?}", result.trials);
+        assert_eq!(
+            result.max_fit,
+            Some(expected),
+            "trials: {:?}",
+            result.trials
+        );
         assert!(result.exact, "{result:?}");
-        assert!(result.trials.len() <= trial_bound, "{} trials: {:?}", result.trials.len(), result.trials);
+        assert!(
+            result.trials.len() <= trial_bound,
+            "{} trials: {:?}",
+            result.trials.len(),
+            result.trials
+        );
         result
     }
 
@@ -386,7 +415,9 @@ mod tests {
     #[test]
     fn steps_in_memory_are_bracketed() {
         // A cuDNN workspace that jumps by 2 GiB past batch 512, and another past 1400.
-        let stepped = |b: u64| resnet50(b) + if b > 512 { 2 * GIB } else { 0 } + if b > 1400 { 3 * GIB } else { 0 };
+        let stepped = |b: u64| {
+            resnet50(b) + if b > 512 { 2 * GIB } else { 0 } + if b > 1400 { 3 * GIB } else { 0 }
+        };
         check(stepped, 140 * GIB, 140 * GIB, 10);
     }
 
@@ -404,12 +435,19 @@ mod tests {
             let jitter = ((b.wrapping_mul(2654435761) % 1000) as f64 / 1000.0 - 0.5) * 0.03;
             400 * MIB + ((b * 82 * MIB) as f64 * (1.0 + jitter)) as u64
         };
-        let config = SearchConfig { limit: 140 * GIB, max_batch: 1 << 16, ..SearchConfig::default() };
+        let config = SearchConfig {
+            limit: 140 * GIB,
+            max_batch: 1 << 16,
+            ..SearchConfig::default()
+        };
         let result = search(&config, device(140 * GIB, noisy));
         // Noise makes "fits" non-monotonic near the limit; the answer must still be a batch that
         // fits with its neighbour failing, found within the budget.
         let max = result.max_fit.unwrap();
-        assert!(noisy(max) <= 140 * GIB && noisy(max + 1) > 140 * GIB || !result.exact, "{result:?}");
+        assert!(
+            noisy(max) <= 140 * GIB && noisy(max + 1) > 140 * GIB || !result.exact,
+            "{result:?}"
+        );
         assert!(result.exact);
         assert!(result.trials.len() <= 12);
     }
@@ -417,7 +455,11 @@ mod tests {
     #[test]
     fn nothing_fits_and_everything_fits() {
         let huge = |_b: u64| 200 * GIB;
-        let config = SearchConfig { limit: 140 * GIB, max_batch: 1024, ..SearchConfig::default() };
+        let config = SearchConfig {
+            limit: 140 * GIB,
+            max_batch: 1024,
+            ..SearchConfig::default()
+        };
         let result = search(&config, device(140 * GIB, huge));
         assert_eq!(result.max_fit, None);
         assert_eq!(result.min_fail, Some(1));
@@ -433,7 +475,11 @@ mod tests {
         let mut calls = 0;
         let result = search(&config, |b| {
             calls += 1;
-            if calls == 3 { Err(Stop::Cancelled) } else { Ok(Outcome::Ran { peak: b }) }
+            if calls == 3 {
+                Err(Stop::Cancelled)
+            } else {
+                Ok(Outcome::Ran { peak: b })
+            }
         });
         assert_eq!(result.stopped, Some(Stop::Cancelled));
         assert_eq!(result.trials.len(), 2);
@@ -442,11 +488,21 @@ mod tests {
 
     #[test]
     fn double_then_bisect_needs_many_more_trials() {
-        let config = SearchConfig { limit: 140 * GIB, max_batch: 1 << 16, max_trials: 64, ..SearchConfig::default() };
+        let config = SearchConfig {
+            limit: 140 * GIB,
+            max_batch: 1 << 16,
+            max_trials: 64,
+            ..SearchConfig::default()
+        };
         let baseline = double_then_bisect(&config, 2, device(140 * GIB, resnet50));
         let ours = search(&config, device(140 * GIB, resnet50));
         assert_eq!(baseline.max_fit, ours.max_fit);
-        assert!(baseline.trials.len() >= 3 * ours.trials.len(), "{} vs {}", baseline.trials.len(), ours.trials.len());
+        assert!(
+            baseline.trials.len() >= 3 * ours.trials.len(),
+            "{} vs {}",
+            baseline.trials.len(),
+            ours.trials.len()
+        );
     }
 
     #[test]
