@@ -80,8 +80,15 @@ pub struct UpArgs {
     #[arg(long)]
     pub accept_new: bool,
 
+    /// Leave Jupyter running on the remote when this client exits (Ctrl-C,
+    /// lost connection): a later `tunnel up HOST` reattaches to it (same
+    /// kernels, same token) and `tunnel down HOST` stops it.
+    #[arg(long)]
+    pub detach: bool,
+
     /// Seconds the remote server waits for the client after the connection
-    /// vanishes without a goodbye, before it stops itself.
+    /// vanishes without a goodbye, before it stops itself; tunnel keeps
+    /// trying to reconnect for as long.
     #[arg(long, value_name = "SECS", default_value_t = 120)]
     pub linger: u64,
 

@@ -1,10 +1,16 @@
 //! The local end: a listener on 127.0.0.1 whose connections each get their
 //! own direct-tcpip channel over the one SSH session.
+//!
+//! The session can change under the listener: after a reconnect, `up`
+//! publishes the new one on a watch channel. While there is none (the link
+//! is down), new connections wait for it instead of failing, so a browser
+//! that retries during an outage succeeds once the tunnel is back.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::connect::Handle;
@@ -64,9 +70,12 @@ pub async fn bind_near(preferred: u16) -> Result<TcpListener, ForwardError> {
     Err(ForwardError::NoFreePort { from, to })
 }
 
+/// The current SSH session, or `None` while reconnecting.
+pub type Session = watch::Receiver<Option<Arc<Handle>>>;
+
 /// Accept connections forever, forwarding each to 127.0.0.1:`remote_port`
-/// on the remote. Ends when the task is aborted.
-pub fn serve(listener: TcpListener, handle: Arc<Handle>, remote_port: u16) -> JoinHandle<()> {
+/// on the remote over the current session. Ends when the task is aborted.
+pub fn serve(listener: TcpListener, session: Session, remote_port: u16) -> JoinHandle<()> {
     tokio::spawn(async move {
         loop {
             let (tcp, peer) = match listener.accept().await {
@@ -78,8 +87,13 @@ pub fn serve(listener: TcpListener, handle: Arc<Handle>, remote_port: u16) -> Jo
                     continue;
                 }
             };
-            let handle = handle.clone();
+            let mut session = session.clone();
             tokio::spawn(async move {
+                let handle = match session.wait_for(Option::is_some).await {
+                    Ok(h) => h.clone(),
+                    Err(_) => return, // the tunnel is shutting down
+                };
+                let Some(handle) = handle else { return };
                 if let Err(e) = forward_one(tcp, peer, &handle, remote_port).await {
                     tracing::debug!("connection from {peer}: {e}");
                 }

@@ -5,9 +5,13 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
+use crate::auth::{self, AuthError};
 use crate::cli::{DownArgs, LsArgs, StatusArgs};
+use crate::config::{self, ConfigError, LocalUser, Sources};
+use crate::connect::{self, ConnectError, HostKeyPolicy};
 use crate::exit::{Exit, HasExit};
-use crate::state::{self, Phase, StateError, TunnelState};
+use crate::remote::{Event, Launcher, RemoteError};
+use crate::state::{self, Phase, ServerRecord, StateError, TunnelState};
 
 /// `down` waits this long for the tunnel to stop its remote server and exit.
 const DOWN_TIMEOUT: Duration = Duration::from_secs(40);
@@ -20,6 +24,23 @@ pub enum ManageError {
     Signal { pid: u32, source: nix::Error },
     #[error("the tunnel to {host} (pid {pid}) did not stop within {}s", DOWN_TIMEOUT.as_secs())]
     Timeout { host: String, pid: u32 },
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Boxed: it is large, and `status`/`ls` return this type too.
+    #[error(transparent)]
+    Connect(Box<ConnectError>),
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
+    #[error("jupyter on {host} did not confirm it stopped within {}s", DOWN_TIMEOUT.as_secs())]
+    RemoteTimeout { host: String },
+}
+
+impl From<ConnectError> for ManageError {
+    fn from(e: ConnectError) -> Self {
+        ManageError::Connect(Box::new(e))
+    }
 }
 
 impl HasExit for ManageError {
@@ -27,28 +48,53 @@ impl HasExit for ManageError {
         match self {
             ManageError::State(e) => e.exit(),
             ManageError::Signal { .. } => Exit::Internal,
-            ManageError::Timeout { .. } => Exit::Timeout,
+            ManageError::Timeout { .. } | ManageError::RemoteTimeout { .. } => Exit::Timeout,
+            ManageError::Config(e) => e.exit(),
+            ManageError::Connect(e) => e.exit(),
+            ManageError::Auth(e) => e.exit(),
+            ManageError::Remote(e) => e.exit(),
         }
     }
 }
 
 pub async fn down(args: DownArgs) -> Result<(), ManageError> {
-    let path = state::path_for(&state::dir()?, &args.host);
     let host = args.host.to_ascii_lowercase();
+    let stopped_local = stop_local(&host).await?;
+    // A server left running by `up --detach` (perhaps by the process just
+    // stopped) is stopped over a fresh connection.
+    if let Some(rec) = ServerRecord::load(&host)? {
+        return stop_detached(&rec).await;
+    }
+    match stopped_local {
+        Local::Stopped => Ok(()),
+        Local::None => Err(StateError::NoTunnel { host, stale: false }.into()),
+        Local::Dead => Err(StateError::NoTunnel { host, stale: true }.into()),
+    }
+}
+
+enum Local {
+    Stopped,
+    None,
+    /// Its process had died; its state file is removed.
+    Dead,
+}
+
+/// Stop the `up` process for `host`, if one runs.
+async fn stop_local(host: &str) -> Result<Local, ManageError> {
+    let path = state::path_for(&state::dir()?, host);
     let Some(st) = state::read(&path) else {
-        return Err(StateError::NoTunnel { host, stale: false }.into());
+        return Ok(Local::None);
     };
     if !state::is_alive(st.pid) {
         let _ = std::fs::remove_file(&path);
-        return Err(StateError::NoTunnel { host, stale: true }.into());
+        return Ok(Local::Dead);
     }
-    let pid = i32::try_from(st.pid).map_err(|_| StateError::NoTunnel {
-        host: host.clone(),
-        stale: true,
-    })?;
+    let Ok(pid) = i32::try_from(st.pid) else {
+        return Ok(Local::Dead);
+    };
     tracing::info!("stopping the tunnel to {host} (pid {})", st.pid);
     // The `up` process handles SIGTERM like Ctrl-C: it stops the remote
-    // server, removes its runtime directory, then exits.
+    // server (or, with --detach, leaves it running), then exits.
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGTERM,
@@ -60,11 +106,77 @@ pub async fn down(args: DownArgs) -> Result<(), ManageError> {
     let start = Instant::now();
     while state::is_alive(st.pid) {
         if start.elapsed() > DOWN_TIMEOUT {
-            return Err(ManageError::Timeout { host, pid: st.pid });
+            return Err(ManageError::Timeout {
+                host: host.to_string(),
+                pid: st.pid,
+            });
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tracing::info!("the tunnel to {host} is down");
+    Ok(Local::Stopped)
+}
+
+/// Connect as `up` did, reattach to the detached server and stop it.
+async fn stop_detached(rec: &ServerRecord) -> Result<(), ManageError> {
+    let local = LocalUser::current()?;
+    let sources = Sources::new(rec.config.as_deref(), &local.home);
+    let target = config::resolve(&rec.host, &sources, &local)?;
+    tracing::info!(
+        "stopping jupyter left running on {} ({}@{})",
+        rec.host,
+        target.user,
+        target.host_name
+    );
+    let conn = connect::connect(&target, HostKeyPolicy::for_target(&target, false)).await?;
+    let mut handle = conn.handle;
+    auth::authenticate(&mut handle, &target).await?;
+    let mut launcher = Launcher::attach(&handle, &rec.remote_runtime_dir).await?;
+    let deadline = tokio::time::Instant::now() + DOWN_TIMEOUT;
+    let mut sent = false;
+    loop {
+        let ev = match tokio::time::timeout_at(deadline, launcher.events.recv()).await {
+            Ok(ev) => ev.unwrap_or(Event::Closed),
+            Err(_) => {
+                return Err(ManageError::RemoteTimeout {
+                    host: rec.host.clone(),
+                })
+            }
+        };
+        match ev {
+            Event::Ready { .. } if !sent => {
+                launcher.send_stop().await.map_err(RemoteError::Channel)?;
+                sent = true;
+            }
+            Event::Stopped => {
+                ServerRecord::remove(&rec.host);
+                tracing::info!(
+                    "stopped jupyter on {} and removed its runtime directory",
+                    rec.host
+                );
+                break;
+            }
+            Event::Error { kind, message } if kind == "gone" => {
+                ServerRecord::remove(&rec.host);
+                tracing::info!("jupyter on {} had already stopped ({message})", rec.host);
+                break;
+            }
+            Event::Error { kind, message } => {
+                return Err(crate::remote::error_from(&kind, message, Vec::new()).into())
+            }
+            Event::Closed => {
+                return Err(RemoteError::Ended {
+                    status: None,
+                    log: Vec::new(),
+                }
+                .into())
+            }
+            _ => {}
+        }
+    }
+    let _ = handle
+        .disconnect(russh::Disconnect::ByApplication, "", "en")
+        .await;
     Ok(())
 }
 

@@ -17,7 +17,10 @@ use crate::exit::{Exit, HasExit};
 use crate::token::Token;
 
 const BOOTSTRAP: &str = include_str!("remote/bootstrap.sh");
+const COMMON: &str = include_str!("remote/common.sh");
 const LAUNCH: &str = include_str!("remote/launch.sh");
+const ATTACH: &str = include_str!("remote/attach.sh");
+const SESSION: &str = include_str!("remote/session.sh");
 
 /// What sshd runs. `printf %b` turns the `\n`/`\\` escapes of the first stdin
 /// line back into the multi-line stage-1 script.
@@ -55,6 +58,9 @@ pub enum RemoteError {
     },
     #[error("cannot start the remote command: {0}")]
     Channel(#[source] russh::Error),
+    /// A reattach found no server to attach to.
+    #[error("{message}")]
+    Gone { message: String },
 }
 
 fn status_text(status: Option<u32>) -> String {
@@ -79,6 +85,7 @@ impl HasExit for RemoteError {
             RemoteError::JupyterFailed { .. } => Exit::JupyterFailed,
             RemoteError::Timeout { .. } => Exit::Timeout,
             RemoteError::Ended { .. } | RemoteError::Channel(_) => Exit::ConnectionLost,
+            RemoteError::Gone { .. } => Exit::JupyterFailed,
         }
     }
 }
@@ -101,6 +108,8 @@ pub enum Event {
     },
     Log(String),
     Stopped,
+    /// The server will wait for a detached client indefinitely.
+    Kept,
     /// The channel delivered an exit status.
     Status(u32),
     /// The launcher was killed by this signal.
@@ -120,7 +129,7 @@ pub fn stage1_line(spec: &LaunchSpec) -> String {
     let script = format!(
         "TUNNEL_MAIN={main}\nTUNNEL_INIT={init}\nTUNNEL_ENV={env}\nTUNNEL_DIR={dir}\n\
          TUNNEL_APP={app}\nTUNNEL_PORT={port}\nTUNNEL_LINGER={linger}\nTUNNEL_TIMEOUT={timeout}\n{boot}",
-        main = sh_quote(LAUNCH),
+        main = sh_quote(&[COMMON, LAUNCH, SESSION].concat()),
         init = opt(&spec.init),
         env = opt(&spec.env),
         dir = opt(&spec.dir),
@@ -130,6 +139,25 @@ pub fn stage1_line(spec: &LaunchSpec) -> String {
         timeout = spec.timeout_secs,
         boot = BOOTSTRAP,
     );
+    escape_line(&script)
+}
+
+/// The first (and only script) stdin line of a reattach to the server whose
+/// runtime directory is `runtime_dir`. Runs in plain /bin/sh: the login
+/// environment only matters for starting Jupyter.
+pub fn attach_line(runtime_dir: &str) -> String {
+    let script = format!(
+        "TUNNEL_RT={rt}\n{common}{attach}{session}",
+        rt = sh_quote(runtime_dir),
+        common = COMMON,
+        attach = ATTACH,
+        session = SESSION,
+    );
+    escape_line(&script)
+}
+
+/// Escape a script onto one line, as `printf %b` decodes it.
+fn escape_line(script: &str) -> String {
     let mut line = script.replace('\\', r"\\").replace('\n', r"\n");
     line.push('\n');
     line
@@ -162,6 +190,7 @@ pub fn parse_line(line: &str) -> Option<Event> {
         }
         "log" => Event::Log(args.to_string()),
         "stopped" => Event::Stopped,
+        "kept" => Event::Kept,
         _ => return None,
     })
 }
@@ -172,6 +201,7 @@ pub fn error_from(kind: &str, message: String, log: Vec<String>) -> RemoteError 
         "jupyter-missing" => RemoteError::JupyterMissing { message },
         "jupyter-exited" => RemoteError::JupyterFailed { message, log },
         "timeout" => RemoteError::Timeout { message, log },
+        "gone" => RemoteError::Gone { message },
         _ => RemoteError::Setup { message, log },
     }
 }
@@ -189,6 +219,19 @@ impl Launcher {
         spec: &LaunchSpec,
         token: &Token,
     ) -> Result<Self, RemoteError> {
+        let mut stdin = stage1_line(spec).into_bytes();
+        stdin.extend_from_slice(token.expose().as_bytes());
+        stdin.push(b'\n');
+        Self::open(handle, &stdin).await
+    }
+
+    /// Reattach to the server whose runtime directory is `runtime_dir`: the
+    /// events repeat `pid` and `ready` (or say `error gone ...`).
+    pub async fn attach(handle: &Handle, runtime_dir: &str) -> Result<Self, RemoteError> {
+        Self::open(handle, attach_line(runtime_dir).as_bytes()).await
+    }
+
+    async fn open(handle: &Handle, stdin: &[u8]) -> Result<Self, RemoteError> {
         let channel = handle
             .channel_open_session()
             .await
@@ -198,13 +241,7 @@ impl Launcher {
             .await
             .map_err(RemoteError::Channel)?;
         let (mut reader, writer) = channel.split();
-        let mut stdin = stage1_line(spec).into_bytes();
-        stdin.extend_from_slice(token.expose().as_bytes());
-        stdin.push(b'\n');
-        writer
-            .data(&stdin[..])
-            .await
-            .map_err(RemoteError::Channel)?;
+        writer.data(stdin).await.map_err(RemoteError::Channel)?;
 
         let (tx, events) = mpsc::channel(64);
         tokio::spawn(async move {
@@ -248,6 +285,17 @@ impl Launcher {
     /// Ask the launcher to stop Jupyter and clean up.
     pub async fn send_stop(&self) -> Result<(), russh::Error> {
         self.writer.data(&b"stop\n"[..]).await
+    }
+
+    /// Ask the server to wait for a detached client indefinitely.
+    pub async fn send_keep(&self) -> Result<(), russh::Error> {
+        self.writer.data(&b"keep\n"[..]).await
+    }
+
+    /// Close our end of the lifeline (the server then waits for a client:
+    /// the linger time, or indefinitely after `keep`).
+    pub async fn close(&self) {
+        let _ = self.writer.eof().await;
     }
 }
 
@@ -323,7 +371,13 @@ mod tests {
 
     #[test]
     fn scripts_are_valid_sh() {
-        for (name, text) in [("bootstrap", BOOTSTRAP), ("launch", LAUNCH)] {
+        let main = [COMMON, LAUNCH, SESSION].concat();
+        let attach = [COMMON, ATTACH, SESSION].concat();
+        for (name, text) in [
+            ("bootstrap", BOOTSTRAP),
+            ("launch", main.as_str()),
+            ("attach", attach.as_str()),
+        ] {
             let out = Command::new("/bin/sh")
                 .args(["-n", "-c", text])
                 .output()

@@ -226,6 +226,70 @@ impl Drop for StateFile {
     }
 }
 
+/// A server left running by `tunnel up --detach`, so a later `up` can
+/// reattach and `down` can stop it. Holds the token (a reattach must reuse
+/// it, and the remote keeps none in a file): written 0600 in the 0700 state
+/// dir, and only here.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ServerRecord {
+    pub host: String,
+    /// The `-F` file `up` was given, so `down` resolves the host the same way.
+    pub config: Option<PathBuf>,
+    pub ssh_user: String,
+    pub ssh_host: String,
+    pub ssh_port: u16,
+    pub app: App,
+    pub remote_runtime_dir: String,
+    pub remote_port: u16,
+    pub token: String,
+    /// Unix seconds.
+    pub saved_at: u64,
+}
+
+fn server_path(dir: &Path, host: &str) -> PathBuf {
+    dir.join(format!("{}.server", key(host)))
+}
+
+impl ServerRecord {
+    pub fn load(host: &str) -> Result<Option<Self>, StateError> {
+        let path = server_path(&dir()?, host);
+        match fs::read(&path) {
+            Ok(text) => Ok(serde_json::from_slice(&text).ok()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(StateError::Io { path, source }),
+        }
+    }
+
+    /// Write atomically, 0600.
+    pub fn save(&self) -> Result<(), StateError> {
+        let d = dir()?;
+        ensure_dir(&d)?;
+        let path = server_path(&d, &self.host);
+        let tmp = path.with_extension("server.tmp");
+        let io = |source| StateError::Io {
+            path: tmp.clone(),
+            source,
+        };
+        let json = serde_json::to_vec_pretty(self).map_err(|e| io(e.into()))?;
+        let _ = fs::remove_file(&tmp);
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io)?;
+        f.write_all(&json).map_err(io)?;
+        fs::rename(&tmp, &path).map_err(io)?;
+        Ok(())
+    }
+
+    pub fn remove(host: &str) {
+        if let Ok(d) = dir() {
+            let _ = fs::remove_file(server_path(&d, host));
+        }
+    }
+}
+
 pub fn read(path: &Path) -> Option<TunnelState> {
     let text = fs::read(path).ok()?;
     serde_json::from_slice(&text).ok()

@@ -13,6 +13,12 @@ impl Token {
         Ok(Token(bytes.iter().map(|b| format!("{b:02x}")).collect()))
     }
 
+    /// The token of a server left running by `up --detach` (from the 0600
+    /// state file): a reattach must present the same one.
+    pub fn from_saved(token: String) -> Self {
+        Token(token)
+    }
+
     /// The secret itself, for the places that must carry it (the remote's
     /// stdin, the Authorization header, the URL printed on stdout).
     pub fn expose(&self) -> &str {

@@ -14,13 +14,19 @@ use crate::forward::{self, ForwardError};
 use crate::probe::{self, ProbeError};
 use crate::remote::{self, Event, LaunchSpec, Launcher, RemoteError};
 use crate::signals::Interrupts;
-use crate::state::{Phase, StateError, StateFile, TunnelState};
+use crate::state::{Phase, ServerRecord, StateError, StateFile, TunnelState};
 use crate::token::Token;
+use tokio::sync::watch;
 
 /// Port Jupyter tries first on the remote (it moves on when taken).
 const PORT_HINT: u16 = 8888;
 /// How long to wait for the remote to confirm it cleaned up.
 const STOP_TIMEOUT: Duration = Duration::from_secs(20);
+/// Reconnect backoff: first retry after this, doubling up to the cap.
+const RETRY_FIRST: Duration = Duration::from_millis(250);
+const RETRY_CAP: Duration = Duration::from_secs(4);
+/// A reattach answers in well under this (it only reads a few files).
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(20);
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpError {
@@ -43,10 +49,16 @@ pub enum UpError {
     #[error("timed out after {0}s waiting for Jupyter on the remote to start")]
     Timeout(u64),
     #[error(
-        "the SSH connection to {host} was lost; the remote Jupyter stops itself after \
-         {linger}s unless a client returns"
+        "the SSH connection to {host} was lost and could not be restored within {linger}s \
+         ({last}); the remote Jupyter stops itself once nobody returns within {linger}s"
     )]
-    ConnectionLost { host: String, linger: u64 },
+    ConnectionLost {
+        host: String,
+        linger: u64,
+        last: String,
+    },
+    #[error("reconnected to {host}, but its Jupyter server is gone: {why}")]
+    ServerGone { host: String, why: String },
     #[error("Jupyter on {host} stopped unexpectedly (status {status})")]
     JupyterStopped { host: String, status: String },
     #[error(
@@ -72,7 +84,9 @@ impl HasExit for UpError {
             UpError::Interrupted(_) => Exit::Interrupted,
             UpError::Timeout(_) => Exit::Timeout,
             UpError::ConnectionLost { .. } => Exit::ConnectionLost,
-            UpError::JupyterStopped { .. } | UpError::LauncherEnded { .. } => Exit::JupyterFailed,
+            UpError::JupyterStopped { .. }
+            | UpError::LauncherEnded { .. }
+            | UpError::ServerGone { .. } => Exit::JupyterFailed,
             UpError::Random(_) | UpError::Signals(_) => Exit::Internal,
         }
     }
@@ -85,16 +99,44 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
+/// Connect, check the host key and authenticate; Ctrl-C aborts.
+async fn open_session(
+    target: &Target,
+    policy: &HostKeyPolicy,
+    signals: &mut Interrupts,
+) -> Result<Arc<Handle>, UpError> {
+    let conn = tokio::select! {
+        r = connect::connect(target, policy.clone()) => r?,
+        sig = signals.recv() => return Err(UpError::Interrupted(sig)),
+    };
+    tracing::debug!("connected to {}", conn.peer);
+    let mut handle = conn.handle;
+    tokio::select! {
+        r = auth::authenticate(&mut handle, target) => r?,
+        sig = signals.recv() => return Err(UpError::Interrupted(sig)),
+    }
+    Ok(Arc::new(handle))
+}
+
+/// What `up` is attached to on the remote.
+struct Remote {
+    launcher: Launcher,
+    token: Token,
+    runtime_dir: Option<String>,
+    port: u16,
+    base_url: String,
+}
+
 pub async fn run(args: UpArgs) -> Result<(), UpError> {
     let mut signals = Interrupts::install().map_err(UpError::Signals)?;
     let local = LocalUser::current()?;
     let sources = Sources::new(args.config.as_deref(), &local.home);
     let target = config::resolve(&args.host, &sources, &local)?;
     tracing::debug!("resolved {target:?}");
-    let token = Token::generate().map_err(UpError::Random)?;
+    let host_key = args.host.to_ascii_lowercase();
 
     let mut state = StateFile::claim(TunnelState {
-        host: args.host.to_ascii_lowercase(),
+        host: host_key.clone(),
         pid: std::process::id(),
         phase: Phase::Starting,
         ssh_user: target.user.clone(),
@@ -108,6 +150,8 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
         remote_runtime_dir: None,
         remote_pid: None,
     })?;
+    // Claimed: no other `up` for this host runs, so the record is ours.
+    let detached = ServerRecord::load(&host_key)?;
 
     // An explicit --port that is busy must fail before anything starts remotely.
     let early_listener = match args.port {
@@ -123,80 +167,181 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
         target.port
     );
     let policy = HostKeyPolicy::for_target(&target, args.accept_new);
-    let conn = tokio::select! {
-        r = connect::connect(&target, policy) => r?,
-        sig = signals.recv() => return Err(UpError::Interrupted(sig)),
-    };
-    tracing::debug!("connected to {}", conn.peer);
-    let mut handle = conn.handle;
-    tokio::select! {
-        r = auth::authenticate(&mut handle, &target) => r?,
-        sig = signals.recv() => return Err(UpError::Interrupted(sig)),
-    }
+    let handle = open_session(&target, &policy, &mut signals).await?;
     tracing::debug!("authenticated after {:.2}s", t0.elapsed().as_secs_f64());
-    let handle = Arc::new(handle);
 
-    let spec = LaunchSpec {
-        app: args.app,
-        env: args.env.clone(),
-        init: args.init.clone(),
-        dir: args.dir.clone(),
-        port_hint: args.port.unwrap_or(PORT_HINT),
-        linger_secs: args.linger,
-        timeout_secs: args.timeout,
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout + 5);
+    let mut remote = None;
+    if let Some(rec) = detached {
+        match reattach(&handle, &rec.remote_runtime_dir, &mut state, &mut signals).await {
+            Ok((launcher, port, base_url)) => {
+                tracing::info!(
+                    "reattached to the jupyter server left running on {} (remote pid {})",
+                    target.alias,
+                    state.state.remote_pid.unwrap_or_default()
+                );
+                remote = Some(Remote {
+                    launcher,
+                    token: Token::from_saved(rec.token),
+                    runtime_dir: Some(rec.remote_runtime_dir),
+                    port,
+                    base_url,
+                });
+            }
+            Err(UpError::Remote(RemoteError::Gone { message })) => {
+                tracing::warn!(
+                    "the server left running on {} is gone ({message}); starting a new one",
+                    target.alias
+                );
+                ServerRecord::remove(&host_key);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let mut remote = match remote {
+        Some(r) => r,
+        None => {
+            let token = Token::generate().map_err(UpError::Random)?;
+            let spec = LaunchSpec {
+                app: args.app,
+                env: args.env.clone(),
+                init: args.init.clone(),
+                dir: args.dir.clone(),
+                port_hint: args.port.unwrap_or(PORT_HINT),
+                linger_secs: args.linger,
+                timeout_secs: args.timeout,
+            };
+            tracing::info!(
+                "starting jupyter {} on {}",
+                args.app.subcommand(),
+                target.alias
+            );
+            let mut launcher = Launcher::start(&handle, &spec, &token).await?;
+            let (port, base_url) = wait_ready(
+                &mut launcher,
+                &mut state,
+                &mut signals,
+                deadline,
+                args.timeout,
+            )
+            .await?;
+            Remote {
+                launcher,
+                token,
+                runtime_dir: state.state.remote_runtime_dir.clone(),
+                port,
+                base_url,
+            }
+        }
     };
-    tracing::info!(
-        "starting jupyter {} on {}",
-        args.app.subcommand(),
-        target.alias
-    );
-    let mut launcher = Launcher::start(&handle, &spec, &token).await?;
 
+    let (session_tx, session_rx) = watch::channel(Some(handle.clone()));
+    let mut link = Link {
+        args: &args,
+        target: &target,
+        policy: &policy,
+        handle,
+        session: session_tx,
+    };
     let result = serve(
-        &args,
-        &target,
-        &token,
-        &handle,
-        &mut launcher,
+        &mut link,
+        &mut remote,
+        session_rx,
         &mut state,
         early_listener,
         &mut signals,
+        deadline,
         t0,
     )
     .await;
-    match &result {
+    let handle = link.handle.clone();
+    let outcome = match result {
+        Ok(Finish::Detach) => {
+            tracing::info!(
+                "left jupyter running on {}: `tunnel up {}` reattaches, `tunnel down {}` stops it",
+                target.alias,
+                args.host,
+                args.host
+            );
+            remote.launcher.close().await;
+            Ok(())
+        }
+        Ok(Finish::Stop) => {
+            stop_remote(&mut remote.launcher, &target, &mut signals, args.linger).await;
+            ServerRecord::remove(&host_key);
+            Ok(())
+        }
         // Nothing is left on the remote when it reported the failure itself
         // (it cleans up before saying "error") or when the link is gone.
-        Err(UpError::Remote(_))
-        | Err(UpError::ConnectionLost { .. })
-        | Err(UpError::LauncherEnded { .. }) => {}
-        _ => stop_remote(&mut launcher, &target, &mut signals, args.linger).await,
-    }
+        Err(
+            e @ (UpError::Remote(_)
+            | UpError::ConnectionLost { .. }
+            | UpError::LauncherEnded { .. }
+            | UpError::ServerGone { .. }),
+        ) => Err(e),
+        Err(e) => {
+            stop_remote(&mut remote.launcher, &target, &mut signals, args.linger).await;
+            Err(e)
+        }
+    };
     let _ = handle
         .disconnect(russh::Disconnect::ByApplication, "", "en")
         .await;
-    result
+    outcome
 }
 
-/// Everything between "launcher started" and "time to stop".
-#[allow(clippy::too_many_arguments)]
-async fn serve(
-    args: &UpArgs,
-    target: &Target,
-    token: &Token,
-    handle: &Arc<Handle>,
+/// The SSH side of a running tunnel, re-established after a drop.
+struct Link<'a> {
+    args: &'a UpArgs,
+    target: &'a Target,
+    policy: &'a HostKeyPolicy,
+    handle: Arc<Handle>,
+    /// Publishes the current session to the forwarder.
+    session: watch::Sender<Option<Arc<Handle>>>,
+}
+
+/// How a ready tunnel ends without an error.
+enum Finish {
+    /// Stop the remote server.
+    Stop,
+    /// Leave it running (--detach).
+    Detach,
+}
+
+/// Attach to a lingering (or detached) server and wait for its `ready`.
+async fn reattach(
+    handle: &Handle,
+    runtime_dir: &str,
+    state: &mut StateFile,
+    signals: &mut Interrupts,
+) -> Result<(Launcher, u16, String), UpError> {
+    let mut launcher = Launcher::attach(handle, runtime_dir).await?;
+    state.state.remote_runtime_dir = Some(runtime_dir.to_string());
+    let deadline = tokio::time::Instant::now() + ATTACH_TIMEOUT;
+    let (port, base) = wait_ready(
+        &mut launcher,
+        state,
+        signals,
+        deadline,
+        ATTACH_TIMEOUT.as_secs(),
+    )
+    .await?;
+    Ok((launcher, port, base))
+}
+
+/// Read launcher events until Jupyter is ready; the port and base URL.
+async fn wait_ready(
     launcher: &mut Launcher,
     state: &mut StateFile,
-    early_listener: Option<tokio::net::TcpListener>,
     signals: &mut Interrupts,
-    t0: Instant,
-) -> Result<(), UpError> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout + 5);
-    let (remote_port, base_url) = loop {
+    deadline: tokio::time::Instant,
+    timeout_secs: u64,
+) -> Result<(u16, String), UpError> {
+    loop {
         let ev = tokio::select! {
             ev = launcher.events.recv() => ev.unwrap_or(Event::Closed),
             sig = signals.recv() => return Err(UpError::Interrupted(sig)),
-            _ = tokio::time::sleep_until(deadline) => return Err(UpError::Timeout(args.timeout)),
+            _ = tokio::time::sleep_until(deadline) => return Err(UpError::Timeout(timeout_secs)),
         };
         match ev {
             Event::Runtime(d) => {
@@ -208,7 +353,7 @@ async fn serve(
             }
             Event::Env(e) => tracing::debug!("remote environment: {e}"),
             Event::Pid(p) => state.state.remote_pid = Some(p),
-            Event::Ready { port, base_url } => break (port, base_url),
+            Event::Ready { port, base_url } => return Ok((port, base_url)),
             Event::Error { kind, message } => {
                 let log = collect_log(launcher).await;
                 return Err(remote::error_from(&kind, message, log).into());
@@ -233,9 +378,26 @@ async fn serve(
                 tracing::debug!("launcher killed by SIG{how}");
                 return Err(RemoteError::Ended { status: None, log }.into());
             }
-            Event::Exited(_) | Event::Log(_) | Event::Stopped => {}
+            Event::Exited(_) | Event::Log(_) | Event::Stopped | Event::Kept => {}
         }
-    };
+    }
+}
+
+/// Everything between "Jupyter is ready" and "time to stop".
+#[allow(clippy::too_many_arguments)]
+async fn serve(
+    link: &mut Link<'_>,
+    remote: &mut Remote,
+    session: forward::Session,
+    state: &mut StateFile,
+    early_listener: Option<tokio::net::TcpListener>,
+    signals: &mut Interrupts,
+    deadline: tokio::time::Instant,
+    t0: Instant,
+) -> Result<Finish, UpError> {
+    let args = link.args;
+    let target = link.target;
+    let remote_port = remote.port;
     tracing::debug!(
         "jupyter listening on remote port {remote_port} after {:.2}s",
         t0.elapsed().as_secs_f64()
@@ -252,32 +414,41 @@ async fn serve(
             source,
         })?
         .port();
-    let forwarder = forward::serve(listener, handle.clone(), remote_port);
+    let forwarder = forward::serve(listener, session, remote_port);
     let _forwarder = AbortOnDrop(forwarder);
 
     let remaining = deadline
         .saturating_duration_since(tokio::time::Instant::now())
         .max(Duration::from_secs(1));
     tokio::select! {
-        r = probe::wait_ready(local_port, &base_url, token, remaining) => r?,
+        r = probe::wait_ready(local_port, &remote.base_url, &remote.token, remaining) => r?,
         sig = signals.recv() => return Err(UpError::Interrupted(sig)),
     }
 
     let base = format!(
-        "http://127.0.0.1:{local_port}{base_url}{}",
+        "http://127.0.0.1:{local_port}{}{}",
+        remote.base_url,
         args.app.landing_path()
     );
-    let url = format!("{base}?token={}", token.expose());
+    let url = format!("{base}?token={}", remote.token.expose());
     state.state.phase = Phase::Ready;
     state.state.local_port = Some(local_port);
     state.state.remote_port = Some(remote_port);
     state.state.url = Some(base.clone());
     state.save()?;
+    if args.detach {
+        keep_for_detach(link, remote, state).await?;
+    }
 
     tracing::info!(
-        "ready after {:.1}s: {base} (Ctrl-C or `tunnel down {}` to stop)",
+        "ready after {:.1}s: {base} (Ctrl-C or `tunnel down {}` to {})",
         t0.elapsed().as_secs_f64(),
-        state.state.host
+        state.state.host,
+        if args.detach {
+            "detach, leaving Jupyter running"
+        } else {
+            "stop"
+        }
     );
     // The one line scripts capture.
     let mut out = std::io::stdout().lock();
@@ -300,48 +471,181 @@ async fn serve(
         }
     };
 
+    loop {
+        match watch_launcher(&mut remote.launcher, signals).await {
+            Watched::Interrupted(sig) => {
+                if args.detach {
+                    tracing::info!("{sig}: detaching from jupyter on {}", target.alias);
+                    return Ok(Finish::Detach);
+                }
+                tracing::info!("{sig}: stopping jupyter on {}", target.alias);
+                return Ok(Finish::Stop);
+            }
+            // File > Shut Down in the Jupyter UI: a normal way to finish.
+            Watched::Exited(status) if status == "0" => {
+                tracing::info!(
+                    "jupyter on {} was shut down; closing the tunnel",
+                    target.alias
+                );
+                return Ok(Finish::Stop);
+            }
+            Watched::Exited(status) => {
+                return Err(UpError::JupyterStopped {
+                    host: target.alias.clone(),
+                    status,
+                })
+            }
+            Watched::LauncherEnded(how) => {
+                return Err(UpError::LauncherEnded {
+                    host: target.alias.clone(),
+                    how,
+                })
+            }
+            Watched::ConnectionLost => {
+                let _ = link.session.send(None);
+                let lost_at = Instant::now();
+                tracing::warn!(
+                    "connection to {} lost; reconnecting (Jupyter waits up to {}s)",
+                    target.alias,
+                    args.linger
+                );
+                let runtime_dir = remote.runtime_dir.clone().unwrap_or_default();
+                let Some(launcher) = reconnect(link, &runtime_dir, state, signals).await? else {
+                    tracing::warn!(
+                        "interrupted while reconnecting; jupyter on {} stops itself after {}s",
+                        target.alias,
+                        args.linger
+                    );
+                    return Err(UpError::Interrupted("interrupted while reconnecting"));
+                };
+                remote.launcher = launcher;
+                let _ = link.session.send(Some(link.handle.clone()));
+                if args.detach {
+                    keep_for_detach(link, remote, state).await?;
+                }
+                tracing::info!(
+                    "reconnected to {} after {:.1}s; {base} works again",
+                    target.alias,
+                    lost_at.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }
+}
+
+/// --detach: the server outlives this client, which records how to come back.
+async fn keep_for_detach(
+    link: &Link<'_>,
+    remote: &Remote,
+    state: &StateFile,
+) -> Result<(), UpError> {
+    let Some(runtime_dir) = remote.runtime_dir.clone() else {
+        return Ok(());
+    };
+    if let Err(e) = remote.launcher.send_keep().await {
+        tracing::warn!("cannot ask the remote to keep jupyter running: {e}");
+    }
+    ServerRecord {
+        host: state.state.host.clone(),
+        config: link.args.config.clone(),
+        ssh_user: link.target.user.clone(),
+        ssh_host: link.target.host_name.clone(),
+        ssh_port: link.target.port,
+        app: link.args.app,
+        remote_runtime_dir: runtime_dir,
+        remote_port: remote.port,
+        token: remote.token.expose().to_string(),
+        saved_at: now_secs(),
+    }
+    .save()?;
+    Ok(())
+}
+
+/// What ended a wait on a ready launcher.
+enum Watched {
+    Interrupted(&'static str),
+    Exited(String),
+    LauncherEnded(String),
+    ConnectionLost,
+}
+
+async fn watch_launcher(launcher: &mut Launcher, signals: &mut Interrupts) -> Watched {
     // sshd reports how the launcher ended before closing its channel; a
     // channel that closes without that report went down with the connection.
     let mut launcher_end: Option<String> = None;
     loop {
         let ev = tokio::select! {
             ev = launcher.events.recv() => ev.unwrap_or(Event::Closed),
-            sig = signals.recv() => {
-                tracing::info!("{sig}: stopping jupyter on {}", target.alias);
-                return Ok(());
-            }
+            sig = signals.recv() => return Watched::Interrupted(sig),
         };
         match ev {
-            // File > Shut Down in the Jupyter UI: a normal way to finish.
-            Event::Exited(status) if status == "0" => {
-                tracing::info!(
-                    "jupyter on {} was shut down; closing the tunnel",
-                    target.alias
-                );
-                return Ok(());
-            }
-            Event::Exited(status) => {
-                return Err(UpError::JupyterStopped {
-                    host: target.alias.clone(),
-                    status,
-                })
-            }
+            Event::Exited(status) => return Watched::Exited(status),
             Event::Status(s) => launcher_end = Some(format!("exit status {s}")),
             Event::Signal(s) => launcher_end = Some(format!("killed by SIG{s}")),
             Event::Closed => {
-                return Err(match launcher_end {
-                    Some(how) => UpError::LauncherEnded {
-                        host: target.alias.clone(),
-                        how,
-                    },
-                    None => UpError::ConnectionLost {
-                        host: target.alias.clone(),
-                        linger: args.linger,
-                    },
-                })
+                return match launcher_end {
+                    Some(how) => Watched::LauncherEnded(how),
+                    None => Watched::ConnectionLost,
+                }
             }
             other => tracing::debug!("remote: {other:?}"),
         }
+    }
+}
+
+/// Re-establish the SSH session with backoff and reattach to the server.
+/// `None` when interrupted. Gives up once the server has surely stopped
+/// (the linger time) or on errors a retry cannot fix (host key, auth).
+async fn reconnect(
+    link: &mut Link<'_>,
+    runtime_dir: &str,
+    state: &mut StateFile,
+    signals: &mut Interrupts,
+) -> Result<Option<Launcher>, UpError> {
+    let target = link.target;
+    let give_up = Instant::now() + Duration::from_secs(link.args.linger.max(1));
+    let mut delay = RETRY_FIRST;
+    let mut attempt = 0u32;
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = signals.recv() => return Ok(None),
+        }
+        attempt += 1;
+        let last = match open_session(target, link.policy, signals).await {
+            Ok(handle) => match reattach(&handle, runtime_dir, state, signals).await {
+                Ok((launcher, port, _)) => {
+                    if Some(port) != state.state.remote_port {
+                        tracing::debug!("the server now reports port {port}");
+                    }
+                    link.handle = handle;
+                    return Ok(Some(launcher));
+                }
+                Err(UpError::Remote(RemoteError::Gone { message })) => {
+                    return Err(UpError::ServerGone {
+                        host: target.alias.clone(),
+                        why: message,
+                    })
+                }
+                Err(UpError::Interrupted(_)) => return Ok(None),
+                Err(e) => e.to_string(),
+            },
+            Err(UpError::Interrupted(_)) => return Ok(None),
+            // A changed host key or refused credentials will not get better.
+            Err(e @ (UpError::Auth(_) | UpError::Connect(ConnectError::HostKey(_)))) => {
+                return Err(e)
+            }
+            Err(e) => e.to_string(),
+        };
+        tracing::debug!("reconnect attempt {attempt} failed: {last}");
+        if Instant::now() + delay >= give_up {
+            return Err(UpError::ConnectionLost {
+                host: target.alias.clone(),
+                linger: link.args.linger,
+                last,
+            });
+        }
+        delay = (delay * 2).min(RETRY_CAP);
     }
 }
 

@@ -1,50 +1,5 @@
-# tunnel launcher: stage 2, runs in /bin/sh with the login environment.
-# Protocol: lines "tunnel-remote: <event> <args>" on stdout; see remote.rs.
-unset TUNNEL_MAIN
-# The client may vanish; writing to a closed channel must not kill us before
-# we have stopped Jupyter.
-trap '' PIPE
-rt=$TUNNEL_RT
-say() { printf 'tunnel-remote: %s\n' "$*"; }
-nap() { sleep "$1" 2>/dev/null || sleep 1; }
-
-log_tail() {
-  [ -s "$1" ] || return 0
-  tail -n 40 "$1" 2>/dev/null | while IFS= read -r l; do say "log $l"; done
-}
-
-remove_rt() {
-  case $rt in */tunnel-jupyter.*) rm -rf "$rt" ;; esac
-}
-
-# Stop Jupyter (it shuts its kernels down on SIGTERM), then kill whatever is
-# left that belongs to this run: kernels name their connection file, which
-# lives in $rt, on their command line.
-stop_all() {
-  : >"$rt/stopping" 2>/dev/null
-  jp=$(cat "$rt/jupyter.pid" 2>/dev/null)
-  if [ -n "$jp" ]; then
-    kill -TERM "$jp" 2>/dev/null
-    i=0
-    while [ ! -s "$rt/jupyter.exit" ] && [ "$i" -lt 100 ]; do nap 0.1; i=$((i + 1)); done
-    [ -s "$rt/jupyter.exit" ] || kill -KILL "$jp" 2>/dev/null
-  fi
-  ps -eo pid=,args= 2>/dev/null | while read -r p a; do
-    case $a in *"$rt"/*) [ "$p" != "$$" ] && kill -KILL "$p" 2>/dev/null ;; esac
-  done
-  remove_rt
-}
-
-fail_log=
-fail() {
-  kind=$1
-  shift
-  say "error $kind $*"
-  [ -n "$fail_log" ] && log_tail "$fail_log"
-  stop_all
-  exit 1
-}
-
+# tunnel launcher: stage 2, runs in /bin/sh with the login environment,
+# after common.sh; session.sh follows once Jupyter is ready.
 trap 'stop_all; exit 0' HUP TERM INT
 
 if [ -n "${TUNNEL_INIT_STATUS:-}" ]; then
@@ -140,21 +95,23 @@ if [ "$(id -u)" = 0 ]; then
   say "root"
 fi
 
-export JUPYTER_RUNTIME_DIR="$rt"
 unset TUNNEL_INIT TUNNEL_INIT_STATUS TUNNEL_ENV TUNNEL_DIR
 : >"$rt/jupyter.log"
-# The subshell owns Jupyter so it can `wait` for it and report its exit.
+# The subshell owns Jupyter so it can `wait` for it and record its exit. It
+# holds none of this channel's descriptors: the channel must be able to close
+# (client gone or detached) while Jupyter keeps running. Only Jupyter (and so
+# its kernels) gets JUPYTER_RUNTIME_DIR: helpers such as the watchdog must not
+# look like part of the server.
 (
   # shellcheck disable=SC2086 # $allow_root is empty or one word
-  jupyter "$TUNNEL_APP" --no-browser --ip=127.0.0.1 --port="$TUNNEL_PORT" \
+  JUPYTER_RUNTIME_DIR=$rt jupyter "$TUNNEL_APP" --no-browser --ip=127.0.0.1 --port="$TUNNEL_PORT" \
     --ServerApp.port_retries=50 $allow_root </dev/null >>"$rt/jupyter.log" 2>&1 &
   jp=$!
   printf '%s\n' "$jp" >"$rt/jupyter.pid"
   wait "$jp"
   st=$?
   printf '%s\n' "$st" >"$rt/jupyter.exit" 2>/dev/null
-  [ -e "$rt/stopping" ] || say "exited $st"
-) &
+) </dev/null >/dev/null 2>&1 &
 
 # Jupyter writes jpserver-<pid>.json (0600) once it listens; it holds the real
 # port. `jupyter` execs the app, so <pid> is normally the one we started: test
@@ -187,25 +144,8 @@ while :; do
   fi
   nap 0.02
 done
+# A reattaching client reads the port from here instead of the info file.
+printf '%s %s\n' "$port" "${base:-/}" >"$rt/ready"
+start_watchdog
 say "pid $(cat "$rt/jupyter.pid")"
 say "ready $port ${base:-/}"
-
-while IFS= read -r cmd; do
-  case $cmd in
-    stop)
-      stop_all
-      say "stopped"
-      exit 0
-      ;;
-  esac
-done
-
-# EOF without "stop": the client vanished. Wait the linger time (a reconnect
-# will be able to pick the server up), then clean up.
-exec >/dev/null 2>&1
-i=0
-while [ "$i" -lt "$TUNNEL_LINGER" ] && [ ! -s "$rt/jupyter.exit" ]; do
-  nap 1
-  i=$((i + 1))
-done
-stop_all
