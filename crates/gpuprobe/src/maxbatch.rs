@@ -7,7 +7,9 @@
 //! allocator's own `num_ooms` counter going up, not by the error's text.
 
 use crate::allocator;
-use crate::plugin_api::{MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision};
+use crate::plugin_api::{
+    MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision, BUILTIN_MODELS,
+};
 use crate::search::{self, Outcome, SearchConfig, Stop};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
@@ -37,35 +39,6 @@ fn default_input(name: &str) -> Vec<i64> {
         _ => vec![3, 224, 224],
     }
 }
-
-/// Built-in architectures from `tch::vision`, random weights.
-pub const BUILTINS: &[&str] = &[
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "resnet101",
-    "resnet152",
-    "vgg11",
-    "vgg13",
-    "vgg16",
-    "vgg19",
-    "densenet121",
-    "densenet161",
-    "densenet169",
-    "densenet201",
-    "efficientnet_b0",
-    "efficientnet_b1",
-    "efficientnet_b2",
-    "efficientnet_b3",
-    "efficientnet_b4",
-    "efficientnet_b5",
-    "efficientnet_b6",
-    "efficientnet_b7",
-    "mobilenet_v2",
-    "inception_v3",
-    "convmixer_1536_20",
-    "convmixer_1024_20",
-];
 
 fn builtin(name: &str, p: &nn::Path) -> Option<Box<dyn ModuleT>> {
     use tch::vision::*;
@@ -131,7 +104,10 @@ impl Trainer {
             ModelSource::Builtin { name } => {
                 let mut vs = nn::VarStore::new(device);
                 let model = builtin(name, &vs.root()).ok_or_else(|| {
-                    format!("unknown model {name:?}; built-ins: {}", BUILTINS.join(", "))
+                    format!(
+                        "unknown model {name:?}; built-ins: {}",
+                        BUILTIN_MODELS.join(", ")
+                    )
                 })?;
                 if dtype != Kind::Float {
                     vs.set_kind(dtype);
@@ -237,8 +213,17 @@ fn ooms(device: usize) -> i64 {
 }
 
 /// Runs one trial: resets the peak, runs a step, reads the peak; an OOM by the counter.
-fn trial(trainer: &mut Trainer, device: usize, batch: u64) -> Result<(Outcome, f64), String> {
-    let _ = allocator::empty_cache();
+/// With `fresh`, the cache is emptied first so each search trial starts from the same state;
+/// repeated training steps keep it, as real training does (fragmentation included).
+fn trial(
+    trainer: &mut Trainer,
+    device: usize,
+    batch: u64,
+    fresh: bool,
+) -> Result<(Outcome, f64), String> {
+    if fresh {
+        let _ = allocator::empty_cache();
+    }
     allocator::reset_peak(device).map_err(|e| e.to_string())?;
     let before = ooms(device);
     let start = Instant::now();
@@ -266,6 +251,34 @@ fn trial(trainer: &mut Trainer, device: usize, batch: u64) -> Result<(Outcome, f
             .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
             .unwrap_or_else(|| "libtorch failed".into())),
     }
+}
+
+/// Runs `count` steps at `batch` on `setup.device`, stopping at the first OOM.
+pub fn steps(setup: &MaxBatchRequest, batch: u64, count: u32) -> Result<serde_json::Value, String> {
+    let device = setup.device;
+    let mut trainer = Trainer::new(setup, Device::Cuda(device))?;
+    let mut peak = 0u64;
+    let mut ran = 0u32;
+    let mut oom = false;
+    for _ in 0..count {
+        match trial(&mut trainer, device, batch, false)? {
+            (Outcome::Ran { peak: p }, _) => {
+                peak = peak.max(p);
+                ran += 1;
+            }
+            (Outcome::OutOfMemory, _) => {
+                oom = true;
+                break;
+            }
+        }
+    }
+    drop(trainer);
+    let _ = allocator::empty_cache();
+    let after = allocator::device_stats(device).map_err(|e| e.to_string())?;
+    Ok(
+        serde_json::json!({"steps_run": ran, "out_of_memory": oom, "peak": peak,
+                          "after_allocated": after.allocated_bytes.current}),
+    )
 }
 
 /// Validates model and input with one tiny step on the CPU (no GPU here).
@@ -305,7 +318,7 @@ pub fn run(
     };
     let mut durations: Vec<(u64, f64)> = Vec::new();
     let probe = |batch: u64| -> Result<Outcome, Stop> {
-        let (outcome, ms) = trial(&mut trainer, device, batch).map_err(Stop::Failed)?;
+        let (outcome, ms) = trial(&mut trainer, device, batch, true).map_err(Stop::Failed)?;
         durations.push((batch, ms));
         let event = serde_json::json!({"event": "trial", "batch": batch, "outcome": outcome,
                                        "fits": matches!(outcome, Outcome::Ran{peak} if peak <= limit),

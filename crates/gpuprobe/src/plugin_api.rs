@@ -50,7 +50,43 @@ pub enum Request {
     /// Builds the model and runs one step of batch 1 on the CPU (no GPU here). Replies a
     /// sentence saying what ran.
     ValidateOnCpu(MaxBatchRequest),
+    /// Runs `steps` training steps at `batch` (checking a search's answer). Replies
+    /// `{"steps_run", "out_of_memory", "peak"}`.
+    Steps {
+        setup: MaxBatchRequest,
+        batch: u64,
+        steps: u32,
+    },
 }
+
+/// Built-in architectures (`tch::vision`, random weights) that [`ModelSource::Builtin`] names.
+pub const BUILTIN_MODELS: &[&str] = &[
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "vgg11",
+    "vgg13",
+    "vgg16",
+    "vgg19",
+    "densenet121",
+    "densenet161",
+    "densenet169",
+    "densenet201",
+    "efficientnet_b0",
+    "efficientnet_b1",
+    "efficientnet_b2",
+    "efficientnet_b3",
+    "efficientnet_b4",
+    "efficientnet_b5",
+    "efficientnet_b6",
+    "efficientnet_b7",
+    "mobilenet_v2",
+    "inception_v3",
+    "convmixer_1536_20",
+    "convmixer_1024_20",
+];
 
 /// Where the model comes from.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -63,6 +63,11 @@ pub fn handle(request: &str, progress: &dyn Fn(&str) -> bool) -> Reply {
         Request::MaxBatch(request) => crate::maxbatch::run(&request, progress)
             .and_then(|report| serde_json::to_value(report).map_err(|e| e.to_string()))
             .map_err(torch_failure),
+        Request::Steps {
+            setup,
+            batch,
+            steps,
+        } => crate::maxbatch::steps(&setup, batch, steps).map_err(torch_failure),
         Request::ValidateOnCpu(request) => crate::maxbatch::validate_on_cpu(&request)
             .map(serde_json::Value::from)
             .map_err(torch_failure),

@@ -20,6 +20,10 @@ impl CancelToken {
         wake.notify_all();
     }
 
+    pub fn is_cancelled(&self) -> bool {
+        *self.inner.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Sleeps up to `duration`; returns `false` as soon as the token is cancelled.
     pub fn sleep(&self, duration: Duration) -> bool {
         let deadline = Instant::now() + duration;

@@ -8,6 +8,7 @@ mod emptycache;
 mod gauge;
 mod gpumem;
 mod help;
+mod maxbatch;
 mod output;
 pub mod python;
 mod state;
@@ -93,6 +94,7 @@ impl Registry {
                 Box::new(help::GpuHelp),
                 Box::new(gpumem::GpuMem),
                 Box::new(emptycache::EmptyCache),
+                Box::new(maxbatch::MaxBatch),
                 Box::new(echo::Echo),
             ],
         }
