@@ -151,10 +151,13 @@ def test_remote_setup_failures(up, args, message):
     assert runtime_dirs() == before
 
 
-def test_proxy_jump_is_a_clear_config_error(up):
-    r = up(config_options={"ProxyJump": "bastion.example"})
+def test_proxy_command_and_a_malformed_jump_are_clear_config_errors(up):
+    r = up(config_options={"ProxyCommand": "nc %h %p"})
     assert r.returncode == EXIT["config"], r.stderr
-    assert "ProxyJump bastion.example" in r.stderr and "not support" in r.stderr
+    assert "ProxyCommand nc %h %p" in r.stderr and "not support" in r.stderr
+    r = up(config_options={"ProxyJump": "bastion.example:ssh"})
+    assert r.returncode == EXIT["config"], r.stderr
+    assert "ProxyJump" in r.stderr and "bastion.example:ssh" in r.stderr
 
 
 def test_help_documents_every_exit_code(tunnel_bin, state_dir):

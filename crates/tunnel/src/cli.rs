@@ -50,6 +50,11 @@ pub struct UpArgs {
     #[arg(short = 'F', long = "config", value_name = "CONFIG")]
     pub config: Option<PathBuf>,
 
+    /// Jump hosts to go through, comma-separated `[user@]host[:port]`, as
+    /// ssh -J (replaces the host's ProxyJump; each hop uses its own config).
+    #[arg(short = 'J', long = "jump", value_name = "HOPS")]
+    pub jump: Option<String>,
+
     /// Python environment on the remote: a venv or conda prefix path, or a
     /// conda/mamba/micromamba environment name.
     #[arg(long, value_name = "ENV")]

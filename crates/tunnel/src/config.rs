@@ -34,7 +34,7 @@ pub enum ConfigError {
     },
     #[error(
         "host {alias} uses {option} {value}, which this version of tunnel does not support yet; \
-         connect to a host reachable directly"
+         use ProxyJump (or -J) for jump hosts"
     )]
     Unsupported {
         alias: String,
@@ -105,17 +105,23 @@ pub struct Target {
     pub connect_timeout: Option<Duration>,
     pub server_alive_interval: Option<Duration>,
     pub server_alive_count_max: usize,
+    /// ProxyJump hops as written (`[user@]host[:port]`), empty for none.
+    pub proxy_jump: Vec<String>,
 }
 
 impl Target {
     /// The name under which the host key is looked up and recorded, in
-    /// known_hosts syntax (`host` or `[host]:port`).
+    /// known_hosts syntax (`host` or `[host]:port`). A HostKeyAlias is used
+    /// as is, without the port, as OpenSSH does: it exists to name a host
+    /// reached through a forward or on a shared address.
     pub fn known_hosts_name(&self) -> String {
-        let host = self.host_key_alias.as_deref().unwrap_or(&self.host_name);
+        if let Some(alias) = &self.host_key_alias {
+            return alias.clone();
+        }
         if self.port == 22 {
-            host.to_string()
+            self.host_name.clone()
         } else {
-            format!("[{host}]:{}", self.port)
+            format!("[{}]:{}", self.host_name, self.port)
         }
     }
 }
@@ -178,12 +184,8 @@ impl LocalUser {
     }
 }
 
-/// Resolve `host_arg` (`HOST` or `USER@HOST`) against the config files.
-pub fn resolve(
-    host_arg: &str,
-    sources: &Sources,
-    local: &LocalUser,
-) -> Result<Target, ConfigError> {
+/// Read and parse the config files.
+pub fn load(sources: &Sources, local: &LocalUser) -> Result<SshConfig, ConfigError> {
     let mut config = SshConfig::default().home_dir(&local.home);
     let rules = ParseRule::ALLOW_UNKNOWN_FIELDS | ParseRule::ALLOW_UNSUPPORTED_FIELDS;
     for path in &sources.files {
@@ -208,7 +210,7 @@ pub fn resolve(
                 source,
             })?;
     }
-    resolve_in(&config, host_arg, local)
+    Ok(config)
 }
 
 /// Resolve against an already parsed config (unit tests use this directly).
@@ -254,22 +256,16 @@ pub fn resolve_in(
         None => alias.clone(),
     };
 
-    for (option, key) in [("ProxyJump", "proxyjump"), ("ProxyCommand", "proxycommand")] {
-        let value = if key == "proxyjump" {
-            params.proxy_jump.as_ref().map(|v| v.join(","))
-        } else {
-            first(extra, key)
-        };
-        if let Some(v) = value {
-            if !v.eq_ignore_ascii_case("none") && !v.is_empty() {
-                return Err(ConfigError::Unsupported {
-                    alias,
-                    option,
-                    value: v,
-                });
-            }
+    if let Some(v) = extra.get("proxycommand").map(|v| v.join(" ")) {
+        if !v.eq_ignore_ascii_case("none") && !v.is_empty() {
+            return Err(ConfigError::Unsupported {
+                alias,
+                option: "ProxyCommand",
+                value: v,
+            });
         }
     }
+    let proxy_jump = jump_list(params.proxy_jump.as_deref().unwrap_or_default());
 
     let tokens = Tokens {
         home: local.home.to_string_lossy().into_owned(),
@@ -398,7 +394,114 @@ pub fn resolve_in(
         connect_timeout: params.connect_timeout.filter(|d| !d.is_zero()),
         server_alive_interval: params.server_alive_interval.filter(|d| !d.is_zero()),
         server_alive_count_max,
+        proxy_jump,
     })
+}
+
+/// ProxyJump/`-J` values: comma-separated hops; `none` means no jump.
+pub fn jump_list<S: AsRef<str>>(values: &[S]) -> Vec<String> {
+    let hops: Vec<String> = values
+        .iter()
+        .flat_map(|v| v.as_ref().split(','))
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .collect();
+    if hops.first().is_some_and(|h| h.eq_ignore_ascii_case("none")) {
+        Vec::new()
+    } else {
+        hops
+    }
+}
+
+/// One ProxyJump hop: `[ssh://][user@]host[:port]` into (`[user@]host`, port).
+fn split_hop(hop: &str) -> Result<(String, Option<u16>), ConfigError> {
+    let bad = |reason: &str| ConfigError::Invalid {
+        option: "ProxyJump",
+        value: hop.to_string(),
+        reason: reason.to_string(),
+    };
+    let spec = hop.strip_prefix("ssh://").unwrap_or(hop);
+    let (user, rest) = match spec.rsplit_once('@') {
+        Some((u, r)) => (Some(u), r),
+        None => (None, spec),
+    };
+    let (host, port) = if let Some(inner) = rest.strip_prefix('[') {
+        // [v6addr]:port
+        let (h, after) = inner.split_once(']').ok_or_else(|| bad("unclosed '['"))?;
+        (h, after.strip_prefix(':'))
+    } else {
+        match rest.split_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (rest, None),
+        }
+    };
+    let port = match port {
+        Some(p) => Some(
+            p.parse::<u16>()
+                .map_err(|_| bad("the port is not a number"))?,
+        ),
+        None => None,
+    };
+    if host.is_empty() {
+        return Err(bad("empty host"));
+    }
+    let name = match user {
+        Some(u) => format!("{u}@{host}"),
+        None => host.to_string(),
+    };
+    Ok((name, port))
+}
+
+/// Longest route accepted (ssh has no limit; a loop in the config must end).
+const MAX_HOPS: usize = 16;
+
+/// The hops to go through, in order, then the target itself. `cli_jump`
+/// (`-J`) replaces the target's ProxyJump. Each hop is resolved as its own
+/// host (its User, Port, IdentityFile, known hosts, HostKeyAlias...); a
+/// hop's own ProxyJump is followed too, as ssh does.
+pub fn resolve_route(
+    config: &SshConfig,
+    host_arg: &str,
+    local: &LocalUser,
+    cli_jump: Option<&str>,
+) -> Result<Vec<Target>, ConfigError> {
+    let target = resolve_in(config, host_arg, local)?;
+    let hops = match cli_jump {
+        Some(j) => jump_list(&[j]),
+        None => target.proxy_jump.clone(),
+    };
+    let mut route = Vec::new();
+    for hop in &hops {
+        route.extend(resolve_hop(config, hop, local, 1)?);
+    }
+    route.push(target);
+    Ok(route)
+}
+
+fn resolve_hop(
+    config: &SshConfig,
+    hop: &str,
+    local: &LocalUser,
+    depth: usize,
+) -> Result<Vec<Target>, ConfigError> {
+    if depth > MAX_HOPS {
+        return Err(ConfigError::Invalid {
+            option: "ProxyJump",
+            value: hop.to_string(),
+            reason: format!("more than {MAX_HOPS} hops (a ProxyJump loop?)"),
+        });
+    }
+    let (name, port) = split_hop(hop)?;
+    let mut t = resolve_in(config, &name, local)?;
+    if let Some(p) = port {
+        t.port = p;
+    }
+    let mut route = Vec::new();
+    for inner in t.proxy_jump.clone() {
+        route.extend(resolve_hop(config, &inner, local, depth + 1)?);
+    }
+    route.push(t);
+    Ok(route)
 }
 
 fn first(map: &HashMap<String, Vec<String>>, key: &str) -> Option<String> {
@@ -593,7 +696,7 @@ Host *
         assert_eq!(t.server_alive_interval, Some(Duration::from_secs(15)));
         assert_eq!(t.server_alive_count_max, 4);
         assert_eq!(t.connect_timeout, Some(Duration::from_secs(7)));
-        assert_eq!(t.known_hosts_name(), "[gpu-key]:2222");
+        assert_eq!(t.known_hosts_name(), "gpu-key");
     }
 
     #[test]
@@ -653,19 +756,49 @@ Host *
     }
 
     #[test]
-    fn proxy_jump_is_refused_clearly() {
-        let err = resolve_in(&parse("Host j\n  ProxyJump bastion\n"), "j", &local())
-            .expect_err("ProxyJump unsupported");
+    fn proxy_jump_hops_resolve_each_as_its_own_host() {
+        let cfg = parse(
+            "Host j\n  ProxyJump alice@b1:2201,b2\nHost b1\n  HostName bastion1.example\n  \
+             Port 22\nHost b2\n  User carol\n  HostKeyAlias b2-key\n  ProxyJump b0\n",
+        );
+        let route = resolve_route(&cfg, "j", &local(), None).expect("resolves");
+        let names: Vec<(&str, &str, u16)> = route
+            .iter()
+            .map(|t| (t.user.as_str(), t.host_name.as_str(), t.port))
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                ("alice", "bastion1.example", 2201),
+                ("alice", "b0", 22),
+                ("carol", "b2", 22),
+                ("alice", "j", 22),
+            ]
+        );
+        assert_eq!(route[2].known_hosts_name(), "b2-key");
+        // -J replaces the configured jumps; `none` disables them.
+        let route = resolve_route(&cfg, "j", &local(), Some("x:7")).expect("resolves");
+        assert_eq!(route.len(), 2);
+        assert_eq!((route[0].host_name.as_str(), route[0].port), ("x", 7));
+        let route = resolve_route(&cfg, "j", &local(), Some("none")).expect("resolves");
+        assert_eq!(route.len(), 1);
+        // A loop ends with a clear error.
+        let looped = parse("Host a\n  ProxyJump b\nHost b\n  ProxyJump a\n");
+        let err = resolve_route(&looped, "a", &local(), None).expect_err("loop");
+        assert!(err.to_string().contains("loop"), "{err}");
+        assert_eq!(err.exit(), Exit::Config);
+        let err = resolve_route(&cfg, "j", &local(), Some("h:port")).expect_err("bad port");
+        assert!(err.to_string().contains("ProxyJump"), "{err}");
+        // ProxyCommand is still refused.
+        let err = resolve_in(&parse("Host p\n  ProxyCommand nc %h %p\n"), "p", &local())
+            .expect_err("ProxyCommand unsupported");
         assert!(matches!(
             err,
             ConfigError::Unsupported {
-                option: "ProxyJump",
+                option: "ProxyCommand",
                 ..
             }
         ));
-        assert_eq!(err.exit(), Exit::Config);
-        // `none` disables it.
-        resolve_in(&parse("Host j\n  ProxyJump none\n"), "j", &local()).expect("none is fine");
     }
 
     #[test]
@@ -691,12 +824,14 @@ Host *
         let mut f = File::create(&main).expect("create");
         writeln!(f, "Include {}\nHost other\n  Port 3\n", inc.display()).expect("write");
         let sources = Sources::new(Some(&main), Path::new("/home/alice"));
-        let t = resolve("inc", &sources, &local()).expect("resolves");
+        let t = load(&sources, &local())
+            .and_then(|c| resolve_in(&c, "inc", &local()))
+            .expect("resolves");
         assert_eq!(t.host_name, "10.1.2.3");
         assert_eq!(t.user, "incuser");
 
         let missing = Sources::new(Some(&dir.path().join("nope")), Path::new("/home/alice"));
-        let err = resolve("inc", &missing, &local()).expect_err("missing -F file");
+        let err = load(&missing, &local()).expect_err("missing -F file");
         assert!(matches!(err, ConfigError::Read { .. }));
     }
 

@@ -55,6 +55,13 @@ pub enum ConnectError {
     },
     #[error("{0}")]
     HostKey(#[from] HostKeyError),
+    #[error("jump host {via} cannot reach {host} port {port}: {source}")]
+    Jump {
+        via: String,
+        host: String,
+        port: u16,
+        source: russh::Error,
+    },
     #[error("SSH handshake with {host} port {port} failed: {source}")]
     Handshake {
         host: String,
@@ -70,6 +77,7 @@ impl HasExit for ConnectError {
             ConnectError::Dns { .. } => Exit::Dns,
             ConnectError::Refused { .. }
             | ConnectError::Unreachable { .. }
+            | ConnectError::Jump { .. }
             | ConnectError::Handshake { .. } => Exit::Refused,
             ConnectError::Timeout { .. } => Exit::Timeout,
             ConnectError::HostKey(e) => e.exit(),
@@ -259,6 +267,9 @@ pub struct Client {
     policy: HostKeyPolicy,
     /// Why the key was refused, read back after russh reports `UnknownKey`.
     refusal: Arc<Mutex<Option<HostKeyError>>>,
+    /// The jump hosts this session travels through: a hop's session ends
+    /// when its last handle is dropped, so the session above owns them.
+    _jumps: Vec<Arc<Handle>>,
 }
 
 impl client::Handler for Client {
@@ -423,16 +434,71 @@ pub async fn connect(target: &Target, policy: HostKeyPolicy) -> Result<Connectio
     if let Err(e) = tcp.set_nodelay(true) {
         tracing::debug!("TCP_NODELAY: {e}");
     }
+    let handle = handshake(target, policy, tcp, Vec::new()).await?;
+    Ok(Connection { handle, peer })
+}
 
+/// Reach `target` through `jumps` (the last one opens the way): a
+/// direct-tcpip channel from the last hop, then a full SSH handshake with
+/// `target` over it, host key checked against `target`'s own policy.
+pub async fn connect_via(
+    jumps: Vec<Arc<Handle>>,
+    via: &str,
+    target: &Target,
+    policy: HostKeyPolicy,
+) -> Result<Handle, ConnectError> {
+    let timeout = target.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    let host = target.host_name.clone();
+    let port = target.port;
+    let Some(last) = jumps.last() else {
+        return Ok(connect(target, policy).await?.handle);
+    };
+    let open = last.channel_open_direct_tcpip(host.clone(), u32::from(port), "127.0.0.1", 0);
+    let channel = match tokio::time::timeout(timeout, open).await {
+        Err(_) => {
+            return Err(ConnectError::Timeout {
+                stage: "opening a channel through the jump host to",
+                host,
+                port,
+                timeout,
+            })
+        }
+        Ok(Err(source)) => {
+            return Err(ConnectError::Jump {
+                via: via.to_string(),
+                host,
+                port,
+                source,
+            })
+        }
+        Ok(Ok(c)) => c,
+    };
+    handshake(target, policy, channel.into_stream(), jumps).await
+}
+
+/// The SSH handshake (host key included) over an established byte stream.
+async fn handshake<S>(
+    target: &Target,
+    policy: HostKeyPolicy,
+    stream: S,
+    jumps: Vec<Arc<Handle>>,
+) -> Result<Handle, ConnectError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let timeout = target.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+    let host = target.host_name.clone();
+    let port = target.port;
     let refusal = Arc::new(Mutex::new(None));
     let handler = Client {
         policy: policy.clone(),
         refusal: refusal.clone(),
+        _jumps: jumps,
     };
     let config = Arc::new(ssh_config(target, &policy));
     // The timeout covers the banner exchange and key exchange, as ssh's
     // ConnectTimeout does; an interactive host-key prompt gets its own time.
-    let handshake = client::connect_stream(config, tcp, handler);
+    let handshake = client::connect_stream(config, stream, handler);
     let handshake_timeout = if policy.strict == StrictHostKeyChecking::Ask && prompt::available() {
         timeout + Duration::from_secs(600)
     } else {
@@ -445,7 +511,7 @@ pub async fn connect(target: &Target, policy: HostKeyPolicy) -> Result<Connectio
             port,
             timeout,
         }),
-        Ok(Ok(handle)) => Ok(Connection { handle, peer }),
+        Ok(Ok(handle)) => Ok(handle),
         Ok(Err(e)) => {
             let refused = refusal.lock().ok().and_then(|mut r| r.take());
             match refused {

@@ -13,6 +13,7 @@ mod manage;
 mod probe;
 mod prompt;
 mod remote;
+mod route;
 mod signals;
 mod state;
 mod token;

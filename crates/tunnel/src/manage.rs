@@ -5,12 +5,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
-use crate::auth::{self, AuthError};
 use crate::cli::{DownArgs, LsArgs, StatusArgs};
 use crate::config::{self, ConfigError, LocalUser, Sources};
-use crate::connect::{self, ConnectError, HostKeyPolicy};
 use crate::exit::{Exit, HasExit};
 use crate::remote::{Event, Launcher, RemoteError};
+use crate::route::{self, RouteError};
 use crate::state::{self, Phase, ServerRecord, StateError, TunnelState};
 
 /// `down` waits this long for the tunnel to stop its remote server and exit.
@@ -26,20 +25,18 @@ pub enum ManageError {
     Timeout { host: String, pid: u32 },
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// Boxed: it is large, and `status`/`ls` return this type too.
     #[error(transparent)]
-    Connect(Box<ConnectError>),
-    #[error(transparent)]
-    Auth(#[from] AuthError),
+    Route(Box<RouteError>),
     #[error(transparent)]
     Remote(#[from] RemoteError),
     #[error("jupyter on {host} did not confirm it stopped within {}s", DOWN_TIMEOUT.as_secs())]
     RemoteTimeout { host: String },
 }
 
-impl From<ConnectError> for ManageError {
-    fn from(e: ConnectError) -> Self {
-        ManageError::Connect(Box::new(e))
+/// Boxed: it is large, and `status`/`ls` return this type too.
+impl From<RouteError> for ManageError {
+    fn from(e: RouteError) -> Self {
+        ManageError::Route(Box::new(e))
     }
 }
 
@@ -50,8 +47,7 @@ impl HasExit for ManageError {
             ManageError::Signal { .. } => Exit::Internal,
             ManageError::Timeout { .. } | ManageError::RemoteTimeout { .. } => Exit::Timeout,
             ManageError::Config(e) => e.exit(),
-            ManageError::Connect(e) => e.exit(),
-            ManageError::Auth(e) => e.exit(),
+            ManageError::Route(e) => e.exit(),
             ManageError::Remote(e) => e.exit(),
         }
     }
@@ -121,16 +117,18 @@ async fn stop_local(host: &str) -> Result<Local, ManageError> {
 async fn stop_detached(rec: &ServerRecord) -> Result<(), ManageError> {
     let local = LocalUser::current()?;
     let sources = Sources::new(rec.config.as_deref(), &local.home);
-    let target = config::resolve(&rec.host, &sources, &local)?;
+    let ssh_config = config::load(&sources, &local)?;
+    let route = config::resolve_route(&ssh_config, &rec.host, &local, rec.jump.as_deref())?;
+    let Some(target) = route.last() else {
+        return Err(ConfigError::EmptyHost.into());
+    };
     tracing::info!(
         "stopping jupyter left running on {} ({}@{})",
         rec.host,
         target.user,
         target.host_name
     );
-    let conn = connect::connect(&target, HostKeyPolicy::for_target(&target, false)).await?;
-    let mut handle = conn.handle;
-    auth::authenticate(&mut handle, &target).await?;
+    let handle = route::open(&route, false).await?;
     let mut launcher = Launcher::attach(&handle, &rec.remote_runtime_dir).await?;
     let deadline = tokio::time::Instant::now() + DOWN_TIMEOUT;
     let mut sent = false;

@@ -235,6 +235,9 @@ pub struct ServerRecord {
     pub host: String,
     /// The `-F` file `up` was given, so `down` resolves the host the same way.
     pub config: Option<PathBuf>,
+    /// The `-J` hops `up` was given.
+    #[serde(default)]
+    pub jump: Option<String>,
     pub ssh_user: String,
     pub ssh_host: String,
     pub ssh_port: u16,

@@ -4,15 +4,16 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::auth::{self, AuthError};
+use crate::auth::AuthError;
 use crate::browser::{self, RedirectFile};
 use crate::cli::UpArgs;
 use crate::config::{self, ConfigError, LocalUser, Sources, Target};
-use crate::connect::{self, ConnectError, Handle, HostKeyPolicy};
+use crate::connect::{ConnectError, Handle};
 use crate::exit::{Exit, HasExit};
 use crate::forward::{self, ForwardError};
 use crate::probe::{self, ProbeError};
 use crate::remote::{self, Event, LaunchSpec, Launcher, RemoteError};
+use crate::route::{self, RouteError};
 use crate::signals::Interrupts;
 use crate::state::{Phase, ServerRecord, StateError, StateFile, TunnelState};
 use crate::token::Token;
@@ -36,6 +37,8 @@ pub enum UpError {
     Connect(#[from] ConnectError),
     #[error(transparent)]
     Auth(#[from] AuthError),
+    #[error(transparent)]
+    Route(#[from] RouteError),
     #[error(transparent)]
     Remote(#[from] RemoteError),
     #[error(transparent)]
@@ -77,6 +80,7 @@ impl HasExit for UpError {
             UpError::Config(e) => e.exit(),
             UpError::Connect(e) => e.exit(),
             UpError::Auth(e) => e.exit(),
+            UpError::Route(e) => e.exit(),
             UpError::Remote(e) => e.exit(),
             UpError::Forward(e) => e.exit(),
             UpError::Probe(e) => e.exit(),
@@ -99,22 +103,17 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
-/// Connect, check the host key and authenticate; Ctrl-C aborts.
+/// Connect along the route (jump hosts, then the target), checking each
+/// host key and authenticating at each hop; Ctrl-C aborts.
 async fn open_session(
-    target: &Target,
-    policy: &HostKeyPolicy,
+    route: &[Target],
+    accept_new: bool,
     signals: &mut Interrupts,
 ) -> Result<Arc<Handle>, UpError> {
-    let conn = tokio::select! {
-        r = connect::connect(target, policy.clone()) => r?,
+    let handle = tokio::select! {
+        r = route::open(route, accept_new) => r?,
         sig = signals.recv() => return Err(UpError::Interrupted(sig)),
     };
-    tracing::debug!("connected to {}", conn.peer);
-    let mut handle = conn.handle;
-    tokio::select! {
-        r = auth::authenticate(&mut handle, target) => r?,
-        sig = signals.recv() => return Err(UpError::Interrupted(sig)),
-    }
     Ok(Arc::new(handle))
 }
 
@@ -131,8 +130,12 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
     let mut signals = Interrupts::install().map_err(UpError::Signals)?;
     let local = LocalUser::current()?;
     let sources = Sources::new(args.config.as_deref(), &local.home);
-    let target = config::resolve(&args.host, &sources, &local)?;
-    tracing::debug!("resolved {target:?}");
+    let ssh_config = config::load(&sources, &local)?;
+    let route = config::resolve_route(&ssh_config, &args.host, &local, args.jump.as_deref())?;
+    let Some(target) = route.last().cloned() else {
+        return Err(ConfigError::EmptyHost.into());
+    };
+    tracing::debug!("resolved {route:?}");
     let host_key = args.host.to_ascii_lowercase();
 
     let mut state = StateFile::claim(TunnelState {
@@ -166,8 +169,15 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
         target.host_name,
         target.port
     );
-    let policy = HostKeyPolicy::for_target(&target, args.accept_new);
-    let handle = open_session(&target, &policy, &mut signals).await?;
+    for hop in &route[..route.len() - 1] {
+        tracing::info!(
+            "  via jump host {}@{} port {}",
+            hop.user,
+            hop.host_name,
+            hop.port
+        );
+    }
+    let handle = open_session(&route, args.accept_new, &mut signals).await?;
     tracing::debug!("authenticated after {:.2}s", t0.elapsed().as_secs_f64());
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout + 5);
@@ -239,7 +249,7 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
     let mut link = Link {
         args: &args,
         target: &target,
-        policy: &policy,
+        route: &route,
         handle,
         session: session_tx,
     };
@@ -294,7 +304,8 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
 struct Link<'a> {
     args: &'a UpArgs,
     target: &'a Target,
-    policy: &'a HostKeyPolicy,
+    /// Jump hosts, then the target.
+    route: &'a [Target],
     handle: Arc<Handle>,
     /// Publishes the current session to the forwarder.
     session: watch::Sender<Option<Arc<Handle>>>,
@@ -548,6 +559,7 @@ async fn keep_for_detach(
     ServerRecord {
         host: state.state.host.clone(),
         config: link.args.config.clone(),
+        jump: link.args.jump.clone(),
         ssh_user: link.target.user.clone(),
         ssh_host: link.target.host_name.clone(),
         ssh_port: link.target.port,
@@ -612,7 +624,7 @@ async fn reconnect(
             _ = signals.recv() => return Ok(None),
         }
         attempt += 1;
-        let last = match open_session(target, link.policy, signals).await {
+        let last = match open_session(link.route, link.args.accept_new, signals).await {
             Ok(handle) => match reattach(&handle, runtime_dir, state, signals).await {
                 Ok((launcher, port, _)) => {
                     if Some(port) != state.state.remote_port {
@@ -632,9 +644,7 @@ async fn reconnect(
             },
             Err(UpError::Interrupted(_)) => return Ok(None),
             // A changed host key or refused credentials will not get better.
-            Err(e @ (UpError::Auth(_) | UpError::Connect(ConnectError::HostKey(_)))) => {
-                return Err(e)
-            }
+            Err(UpError::Route(e)) if e.is_permanent() => return Err(UpError::Route(e)),
             Err(e) => e.to_string(),
         };
         tracing::debug!("reconnect attempt {attempt} failed: {last}");
