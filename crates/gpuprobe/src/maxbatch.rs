@@ -213,6 +213,11 @@ fn ooms(device: usize) -> i64 {
 }
 
 /// Runs one trial: resets the peak, runs a step, reads the peak; an OOM by the counter.
+/// Steps per search trial: the second runs on the cache the first left behind (gradients
+/// and optimizer state allocated, blocks split), which is what every later training step
+/// sees. A single clean step underestimates it: a batch found that way can OOM at step 2.
+const STEPS_PER_TRIAL: usize = 2;
+
 /// With `fresh`, the cache is emptied first so each search trial starts from the same state;
 /// repeated training steps keep it, as real training does (fragmentation included).
 fn trial(
@@ -227,7 +232,14 @@ fn trial(
     allocator::reset_peak(device).map_err(|e| e.to_string())?;
     let before = ooms(device);
     let start = Instant::now();
-    let result = catch_unwind(AssertUnwindSafe(|| trainer.step(batch)));
+    let steps = if fresh { STEPS_PER_TRIAL } else { 1 };
+    // tch panics on a failed op (an OOM among them); keep those out of the kernel's log.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        (0..steps).try_for_each(|_| trainer.step(batch))
+    }));
+    std::panic::set_hook(hook);
     if trainer.device.is_cuda() {
         let _ = catch_unwind(|| tch::Cuda::synchronize(device as i64));
     }

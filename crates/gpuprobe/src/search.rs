@@ -49,7 +49,7 @@ impl Default for SearchConfig {
             limit: u64::MAX,
             max_batch: 1 << 20,
             max_trials: 12,
-            opening: (2, 16),
+            opening: (4, 64),
         }
     }
 }
