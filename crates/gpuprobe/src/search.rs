@@ -16,7 +16,7 @@ use serde::Serialize;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(tag = "result", rename_all = "snake_case")]
 pub enum Outcome {
-    /// The step ran; `peak` is its peak allocated memory in bytes.
+    /// The step ran; `peak` is its peak memory in bytes (the caching allocator's reserved peak).
     Ran { peak: u64 },
     /// CUDA ran out of memory (detected by type, never by text).
     OutOfMemory,
