@@ -1,11 +1,11 @@
 //! `%maxbatch` on libtorch (feature `torch`): real training steps of a model at trial batch
 //! sizes, their peak memory read from the caching allocator, driven by [`crate::search`].
 //!
-//! Every trial starts from the same state: parameters and optimizer state are created once
-//! (their memory is part of the fixed cost), gradients are zeroed and every activation dropped
-//! after each step, and the peak counter is reset before the next. Each trial builds the model
-//! afresh and runs two steps. An OOM is recognised by the
-//! allocator's own `num_ooms` counter going up, not by the error's text.
+//! Every trial starts from the same state: a freshly built model with no gradients or optimizer
+//! state, an emptied cache and reset peak counters. It then runs two steps, so the second sees
+//! the gradients, optimizer state and split blocks the first left behind, as every later
+//! training step does. An OOM is recognised by the allocator's own `num_ooms` counter going
+//! up, not by the error's text.
 
 use crate::allocator;
 use crate::plugin_api::{
