@@ -39,6 +39,32 @@ pub enum Command {
     /// List the running tunnels, one per line.
     #[command(after_help = exit::HELP)]
     Ls(LsArgs),
+    /// Check each step from the ssh config to Jupyter on HOST (and its
+    /// GPUs) and say which one fails and what to do; starts nothing.
+    #[command(after_help = exit::HELP)]
+    Doctor(DoctorArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// Host alias from the ssh config (or a host name), optionally as USER@HOST.
+    pub host: String,
+
+    /// ssh config file to read instead of ~/.ssh/config and /etc/ssh/ssh_config.
+    #[arg(short = 'F', long = "config", value_name = "CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// Jump hosts to go through, as for `tunnel up`.
+    #[arg(short = 'J', long = "jump", value_name = "HOPS")]
+    pub jump: Option<String>,
+
+    /// Python environment to check, as for `tunnel up`.
+    #[arg(long, value_name = "ENV")]
+    pub env: Option<String>,
+
+    /// Shell command run before activating --env, as for `tunnel up`.
+    #[arg(long, value_name = "CMD")]
+    pub init: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -6,6 +6,7 @@ mod browser;
 mod cli;
 mod config;
 mod connect;
+mod doctor;
 mod exit;
 mod forward;
 mod known_hosts;
@@ -84,6 +85,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Down(args) => manage::down(args).await?,
         Command::Status(args) => manage::status(args)?,
         Command::Ls(args) => manage::ls(args)?,
+        Command::Doctor(args) => doctor::run(args).await?,
     }
     Ok(())
 }
@@ -93,6 +95,8 @@ fn exit_of(err: &anyhow::Error) -> Exit {
     if let Some(e) = err.downcast_ref::<up::UpError>() {
         e.exit()
     } else if let Some(e) = err.downcast_ref::<manage::ManageError>() {
+        e.exit()
+    } else if let Some(e) = err.downcast_ref::<doctor::DoctorError>() {
         e.exit()
     } else {
         Exit::Internal

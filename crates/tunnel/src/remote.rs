@@ -18,7 +18,9 @@ use crate::token::Token;
 
 const BOOTSTRAP: &str = include_str!("remote/bootstrap.sh");
 const COMMON: &str = include_str!("remote/common.sh");
+const SETUP: &str = include_str!("remote/setup.sh");
 const LAUNCH: &str = include_str!("remote/launch.sh");
+const DOCTOR: &str = include_str!("remote/doctor.sh");
 const ATTACH: &str = include_str!("remote/attach.sh");
 const SESSION: &str = include_str!("remote/session.sh");
 
@@ -110,6 +112,8 @@ pub enum Event {
     Stopped,
     /// The server will wait for a detached client indefinitely.
     Kept,
+    /// A `tunnel doctor` finding (`shell ...`, `jupyter ...`, `gpu ...`).
+    Check(String),
     /// The channel delivered an exit status.
     Status(u32),
     /// The launcher was killed by this signal.
@@ -125,11 +129,21 @@ fn sh_quote(s: &str) -> String {
 
 /// The first stdin line: stage 1 with its parameters, escaped onto one line.
 pub fn stage1_line(spec: &LaunchSpec) -> String {
+    stage1_with(spec, &[COMMON, SETUP, LAUNCH, SESSION].concat())
+}
+
+/// The first stdin line of `tunnel doctor`: the same bootstrap and setup
+/// (login shell, --init, --env) as a launch, then checks instead of Jupyter.
+pub fn doctor_line(spec: &LaunchSpec) -> String {
+    stage1_with(spec, &[COMMON, SETUP, DOCTOR].concat())
+}
+
+fn stage1_with(spec: &LaunchSpec, main: &str) -> String {
     let opt = |o: &Option<String>| sh_quote(o.as_deref().unwrap_or(""));
     let script = format!(
         "TUNNEL_MAIN={main}\nTUNNEL_INIT={init}\nTUNNEL_ENV={env}\nTUNNEL_DIR={dir}\n\
          TUNNEL_APP={app}\nTUNNEL_PORT={port}\nTUNNEL_LINGER={linger}\nTUNNEL_TIMEOUT={timeout}\n{boot}",
-        main = sh_quote(&[COMMON, LAUNCH, SESSION].concat()),
+        main = sh_quote(main),
         init = opt(&spec.init),
         env = opt(&spec.env),
         dir = opt(&spec.dir),
@@ -191,6 +205,7 @@ pub fn parse_line(line: &str) -> Option<Event> {
         "log" => Event::Log(args.to_string()),
         "stopped" => Event::Stopped,
         "kept" => Event::Kept,
+        "check" => Event::Check(args.to_string()),
         _ => return None,
     })
 }
@@ -221,6 +236,14 @@ impl Launcher {
     ) -> Result<Self, RemoteError> {
         let mut stdin = stage1_line(spec).into_bytes();
         stdin.extend_from_slice(token.expose().as_bytes());
+        stdin.push(b'\n');
+        Self::open(handle, &stdin).await
+    }
+
+    /// Run the doctor's checks (bootstrap, --init, --env, jupyter, GPU).
+    /// The token line is empty: nothing is started that would need one.
+    pub async fn doctor(handle: &Handle, spec: &LaunchSpec) -> Result<Self, RemoteError> {
+        let mut stdin = doctor_line(spec).into_bytes();
         stdin.push(b'\n');
         Self::open(handle, &stdin).await
     }
@@ -371,7 +394,7 @@ mod tests {
 
     #[test]
     fn scripts_are_valid_sh() {
-        let main = [COMMON, LAUNCH, SESSION].concat();
+        let main = [COMMON, SETUP, LAUNCH, SESSION].concat();
         let attach = [COMMON, ATTACH, SESSION].concat();
         for (name, text) in [
             ("bootstrap", BOOTSTRAP),

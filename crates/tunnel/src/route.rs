@@ -51,9 +51,28 @@ impl RouteError {
     }
 }
 
+/// A step of [`open_reporting`] that succeeded, for `tunnel doctor`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Passed {
+    /// TCP (or the jump host's channel) and the SSH handshake, host key
+    /// included: russh checks the key inside the handshake.
+    Connected,
+    Authenticated,
+}
+
 /// Connect along `route` (jump hosts first, the target last) and return
 /// the authenticated session with the target.
 pub async fn open(route: &[Target], accept_new: bool) -> Result<Handle, RouteError> {
+    open_reporting(route, accept_new, |_, _| {}).await
+}
+
+/// [`open`], telling `passed` about each step that succeeded, with the index
+/// of its hop in `route`.
+pub async fn open_reporting(
+    route: &[Target],
+    accept_new: bool,
+    mut passed: impl FnMut(usize, Passed),
+) -> Result<Handle, RouteError> {
     let mut jumps: Vec<Arc<Handle>> = Vec::new();
     let mut via = String::new();
     let last = route.len().saturating_sub(1);
@@ -82,9 +101,11 @@ pub async fn open(route: &[Target], accept_new: bool) -> Result<Handle, RouteErr
             hop: hop.clone(),
             source,
         })?;
+        passed(i, Passed::Connected);
         auth::authenticate(&mut handle, target)
             .await
             .map_err(|source| RouteError::Auth { hop, source })?;
+        passed(i, Passed::Authenticated);
         if i == last {
             return Ok(handle);
         }

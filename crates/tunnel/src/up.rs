@@ -389,7 +389,7 @@ async fn wait_ready(
                 tracing::debug!("launcher killed by SIG{how}");
                 return Err(RemoteError::Ended { status: None, log }.into());
             }
-            Event::Exited(_) | Event::Log(_) | Event::Stopped | Event::Kept => {}
+            Event::Exited(_) | Event::Log(_) | Event::Stopped | Event::Kept | Event::Check(_) => {}
         }
     }
 }
