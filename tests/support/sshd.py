@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+PAM_DIR = Path("/etc/pam.d")
+PAM_OATH = "pam_oath.so"  # from the libpam-oath package
 
 
 def free_port() -> int:
@@ -92,13 +94,21 @@ class Sshd:
     """One sshd on 127.0.0.1:port with everything it needs in `workdir`."""
 
     def __init__(self, workdir: str | os.PathLike | None = None, alias: str = "tunnel-test",
-                 user: str | None = None, extra_sshd_config: str = ""):
+                 user: str | None = None, extra_sshd_config: str = "",
+                 totp_secret: str | None = None):
         self._own_dir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="tunnel-sshd."))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.alias = alias
         self.user = user or getpass.getuser()
         self.extra_sshd_config = extra_sshd_config
+        # With a TOTP secret (hex), logins need the key AND a one-time code
+        # asked through keyboard-interactive by PAM (pam_oath). sshd names its
+        # PAM service after argv[0], so a symlink with a unique name gives
+        # this server its own /etc/pam.d file and leaves the system's alone.
+        self.totp_secret = totp_secret
+        self.pam_service = f"tunnel-test-{os.getpid()}-{id(self):x}" if totp_secret else None
+        self.oath_users = self.dir / "users.oath"
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
@@ -123,6 +133,8 @@ class Sshd:
             if not key.exists():
                 _keygen(key, "tunnel-test-client")
         (self.dir / "authorized_keys").write_text(Path(f"{self.client_key}.pub").read_text())
+        if self.totp_secret:
+            self._write_pam()
         for attempt in range(5):
             self.port = self.port or free_port()
             self._write_sshd_config()
@@ -146,8 +158,7 @@ StrictModes no
 PermitRootLogin prohibit-password
 PubkeyAuthentication yes
 PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
+{self._auth_config()}
 UseDNS no
 PrintMotd no
 PrintLastLog no
@@ -157,10 +168,38 @@ LogLevel INFO
 """
         )
 
+    def _auth_config(self) -> str:
+        if not self.totp_secret:
+            return "KbdInteractiveAuthentication no\nUsePAM no"
+        return ("KbdInteractiveAuthentication yes\nUsePAM yes\n"
+                "AuthenticationMethods publickey,keyboard-interactive")
+
+    def _write_pam(self) -> None:
+        """users.oath (pam_oath rewrites it to record used codes) and the PAM
+        service file: auth by TOTP only (the key is sshd's own check)."""
+        self.oath_users.write_text(f"HOTP/T30/6 {self.user} - {self.totp_secret}\n")
+        os.chmod(self.oath_users, 0o600)
+        (PAM_DIR / self.pam_service).write_text(
+            f"auth required {PAM_OATH} usersfile={self.oath_users} window=2 digits=6\n"
+            "account required pam_permit.so\n"
+            "session required pam_permit.so\n"
+            "password required pam_deny.so\n"
+        )
+
+    def _argv0(self) -> str:
+        """sshd's argv[0]: absolute (its re-exec needs that), and named after
+        the PAM service when there is one."""
+        if not self.pam_service:
+            return SSHD
+        link = self.dir / self.pam_service
+        if not link.exists():
+            link.symlink_to(SSHD)
+        return str(link)
+
     def _launch(self, detach: bool) -> bool:
         log = open(self.log, "ab")
         self.proc = subprocess.Popen(
-            [SSHD, "-D", "-e", "-f", str(self.sshd_config)],
+            [self._argv0(), "-D", "-e", "-f", str(self.sshd_config)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             start_new_session=detach,
         )
@@ -204,6 +243,8 @@ LogLevel INFO
 
     def cleanup(self) -> None:
         self.stop()
+        if self.pam_service:
+            (PAM_DIR / self.pam_service).unlink(missing_ok=True)
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 

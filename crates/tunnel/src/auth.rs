@@ -1,9 +1,11 @@
-//! User authentication, in ssh's order: agent, key files, then password.
+//! User authentication, in ssh's order: agent, key files,
+//! keyboard-interactive (2FA prompts), then password.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use russh::client::AuthResult;
+use russh::client::{AuthResult, KeyboardInteractiveAuthResponse};
 use russh::keys::agent::client::AgentClient;
 use russh::keys::agent::AgentIdentity;
 use russh::keys::ssh_key::PublicKey;
@@ -91,8 +93,12 @@ impl Ctx<'_> {
         match r {
             AuthResult::Success => Step::Done,
             AuthResult::Failure {
-                remaining_methods, ..
+                remaining_methods,
+                partial_success,
             } => {
+                if partial_success {
+                    tracing::debug!("partial success; the server asks for more");
+                }
                 self.accepted = remaining_methods.iter().copied().collect();
                 Step::Continue
             }
@@ -147,6 +153,13 @@ pub async fn authenticate(handle: &mut Handle, target: &Target) -> Result<(), Au
             return Ok(());
         }
         if let Step::Done = try_key_files(&mut ctx, &offered).await? {
+            return Ok(());
+        }
+    }
+    // After a key, the server may still ask for a code (AuthenticationMethods
+    // publickey,keyboard-interactive): "partial success" leaves only this.
+    if target.kbd_interactive_authentication && ctx.accepts(MethodKind::KeyboardInteractive) {
+        if let Step::Done = try_keyboard_interactive(&mut ctx).await? {
             return Ok(());
         }
     }
@@ -283,8 +296,26 @@ async fn try_key_files(ctx: &mut Ctx<'_>, offered: &[PublicKey]) -> Result<Step,
     Ok(Step::Continue)
 }
 
-/// Load a private key, asking for its passphrase on the terminal if needed.
+/// Keys decrypted with a passphrase typed in this process, by file: a
+/// reconnect (after a network drop, nobody may be at the terminal) must not
+/// ask again. Only the decrypted key is kept, in this process's memory, as
+/// ssh-agent would; the passphrase itself is dropped at once.
+fn unlocked_keys() -> &'static Mutex<HashMap<PathBuf, PrivateKey>> {
+    static KEYS: OnceLock<Mutex<HashMap<PathBuf, PrivateKey>>> = OnceLock::new();
+    KEYS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Load a private key, asking for its passphrase on the terminal if needed
+/// (once per process: see [`unlocked_keys`]).
 async fn load_key(ctx: &mut Ctx<'_>, path: &Path) -> Option<PrivateKey> {
+    if let Some(k) = unlocked_keys()
+        .lock()
+        .ok()
+        .and_then(|m| m.get(path).cloned())
+    {
+        tracing::debug!("key {}: passphrase given earlier", path.display());
+        return Some(k);
+    }
     match russh::keys::load_secret_key(path, None) {
         Ok(k) => return Some(k),
         Err(russh::keys::Error::KeyIsEncrypted) => {}
@@ -305,13 +336,95 @@ async fn load_key(ctx: &mut Ctx<'_>, path: &Path) -> Option<PrivateKey> {
             return None;
         };
         match russh::keys::load_secret_key(path, Some(&pass)) {
-            Ok(k) => return Some(k),
+            Ok(k) => {
+                if let Ok(mut m) = unlocked_keys().lock() {
+                    m.insert(path.to_path_buf(), k.clone());
+                }
+                return Some(k);
+            }
             Err(_) => eprintln!("Bad passphrase."),
         }
     }
     ctx.attempts
         .note(format!("key {} (wrong passphrase)", path.display()));
     None
+}
+
+/// Keyboard-interactive: show the server's prompts as sent (name,
+/// instructions, each prompt), read the answers at the terminal, hidden
+/// where the server says echo is off (a one-time code, a PIN). Answers are
+/// never kept: a one-time code is useless on a reconnect.
+async fn try_keyboard_interactive(ctx: &mut Ctx<'_>) -> Result<Step, AuthError> {
+    if !prompt::available() {
+        ctx.attempts
+            .note("keyboard-interactive (not asked: no terminal for the server's prompts)");
+        return Ok(Step::Continue);
+    }
+    let mut refused = 0usize;
+    for _ in 0..PASSWORD_TRIES {
+        let user = ctx.target.user.clone();
+        let mut reply = ctx
+            .handle
+            .authenticate_keyboard_interactive_start(user, None)
+            .await
+            .map_err(|_| ctx.closed())?;
+        // A server may send any number of rounds, some with no prompts.
+        loop {
+            match reply {
+                KeyboardInteractiveAuthResponse::Success => {
+                    tracing::debug!("authenticated with keyboard-interactive");
+                    return Ok(Step::Done);
+                }
+                KeyboardInteractiveAuthResponse::Failure {
+                    remaining_methods, ..
+                } => {
+                    ctx.accepted = remaining_methods.iter().copied().collect();
+                    break;
+                }
+                KeyboardInteractiveAuthResponse::InfoRequest {
+                    name,
+                    instructions,
+                    prompts,
+                } => {
+                    for text in [&name, &instructions] {
+                        if !text.is_empty() {
+                            eprintln!("{}", text.trim_end());
+                        }
+                    }
+                    let mut answers = Vec::with_capacity(prompts.len());
+                    for p in prompts {
+                        let answer = if p.echo {
+                            prompt::ask(p.prompt)
+                                .await
+                                .map(|a| a.trim_end_matches(['\r', '\n']).to_string())
+                        } else {
+                            prompt::secret(p.prompt).await
+                        };
+                        let Some(answer) = answer else {
+                            ctx.attempts
+                                .note("keyboard-interactive (no answer read at the terminal)");
+                            return Ok(Step::Continue);
+                        };
+                        answers.push(answer);
+                    }
+                    reply = ctx
+                        .handle
+                        .authenticate_keyboard_interactive_respond(answers)
+                        .await
+                        .map_err(|_| ctx.closed())?;
+                }
+            }
+        }
+        refused += 1;
+        if !ctx.accepts(MethodKind::KeyboardInteractive) {
+            break;
+        }
+        eprintln!("Permission denied, please try again.");
+    }
+    ctx.attempts.note(format!(
+        "keyboard-interactive (the server refused the answers {refused} time(s))"
+    ));
+    Ok(Step::Continue)
 }
 
 async fn try_password(ctx: &mut Ctx<'_>) -> Result<Step, AuthError> {

@@ -97,6 +97,9 @@ pub struct Target {
     pub identity_agent: AgentSocket,
     pub pubkey_authentication: bool,
     pub password_authentication: bool,
+    /// KbdInteractiveAuthentication (or its old name,
+    /// ChallengeResponseAuthentication): 2FA prompts.
+    pub kbd_interactive_authentication: bool,
     pub user_known_hosts: Vec<PathBuf>,
     pub global_known_hosts: Vec<PathBuf>,
     pub strict_host_key_checking: StrictHostKeyChecking,
@@ -386,6 +389,19 @@ pub fn resolve_in(
         pubkey_authentication: params.pubkey_authentication.unwrap_or(true),
         password_authentication: yes_no(extra, "passwordauthentication", "PasswordAuthentication")?
             .unwrap_or(true),
+        kbd_interactive_authentication: match yes_no(
+            extra,
+            "kbdinteractiveauthentication",
+            "KbdInteractiveAuthentication",
+        )? {
+            Some(v) => v,
+            None => yes_no(
+                extra,
+                "challengeresponseauthentication",
+                "ChallengeResponseAuthentication",
+            )?
+            .unwrap_or(true),
+        },
         user_known_hosts,
         global_known_hosts,
         strict_host_key_checking,
