@@ -77,32 +77,18 @@ class Kernel:
 
 
 def round_trips(kernel: Kernel, code: str, runs: int) -> list[float]:
-    session, shell, iopub = kernel.session, kernel.shell, kernel.iopub
-    content = {"code": code, "silent": False, "store_history": True,
-               "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}
-    times = []
-    for _ in range(runs + 20):
-        t0 = time.perf_counter()
-        msg = session.send(shell, "execute_request", content)
-        msg_id = msg["header"]["msg_id"]
-        session.recv(shell, mode=0)
-        while True:
-            _, reply = session.recv(iopub, mode=0)
-            if (reply["header"]["msg_type"] == "status"
-                    and reply["parent_header"].get("msg_id") == msg_id
-                    and reply["content"]["execution_state"] == "idle"):
-                break
-        times.append((time.perf_counter() - t0) * 1000)
-    return times[20:]  # warm-up dropped
+    """Milliseconds per execute, send to idle, after 20 warm-up runs."""
+    times = [round_trip(kernel, code) * 1000 for _ in range(runs + 20)]
+    return times[20:]
 
 
 def print_throughput(kernel: Kernel, lines: int) -> float:
     """Seconds from sending a cell that prints `lines` lines to its idle, all output received."""
-    code = f"for i in range({lines}): print(i)"
-    return round_trips_once(kernel, code)
+    return round_trip(kernel, f"for i in range({lines}): print(i)")
 
 
-def round_trips_once(kernel: Kernel, code: str) -> float:
+def round_trip(kernel: Kernel, code: str) -> float:
+    """Seconds from sending execute_request to the idle status that ends it."""
     session, shell, iopub = kernel.session, kernel.shell, kernel.iopub
     content = {"code": code, "silent": False, "store_history": True,
                "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}
