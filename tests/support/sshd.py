@@ -155,7 +155,7 @@ HostKey {self.host_key}
 PidFile {self.dir}/sshd.pid
 AuthorizedKeysFile {self.dir}/authorized_keys
 StrictModes no
-PermitRootLogin prohibit-password
+PermitRootLogin {self._root_login()}
 PubkeyAuthentication yes
 PasswordAuthentication no
 {self._auth_config()}
@@ -167,6 +167,12 @@ LogLevel INFO
 {self.extra_sshd_config}
 """
         )
+
+    def _root_login(self) -> str:
+        # With prohibit-password, sshd feeds PAM a bogus answer for root, so
+        # a code could never pass; the key is still required
+        # (AuthenticationMethods publickey,keyboard-interactive).
+        return "yes" if self.totp_secret else "prohibit-password"
 
     def _auth_config(self) -> str:
         if not self.totp_secret:
