@@ -33,7 +33,7 @@ def test_gpu_magics_notebook_runs():
 def test_gpu_python_notebook_runs():
     nb = run("gpu-python.ipynb")
     code = [c for c in nb.cells if c.cell_type == "code"]
-    help_out, before, torch_out, after, mixed, freed = (c.outputs for c in code)
+    help_out, before, torch_out, after, mixed, freed, emptied = (c.outputs for c in code)
     assert "%gpumem" in help_out[0]["data"]["text/plain"]
     assert "torch not imported" in before[0]["data"]["text/plain"]
     # (torch may warn on stderr that numpy is missing; only stdout matters here)
@@ -43,4 +43,5 @@ def test_gpu_python_notebook_runs():
     assert mixed[0]["text"] == "before the magic\n" and mixed[2]["text"] == "after the magic\n"
     assert mixed[1]["data"]["application/json"]["python_kernel"]["torch"]["imported"] is True
     assert freed[0]["text"] == "freed\n"
-    assert [c.execution_count for c in code] == [1, 2, 3, 4, 5, 6]
+    assert "Python kernel" in emptied[0]["data"]["text/plain"]
+    assert [c.execution_count for c in code] == [1, 2, 3, 4, 5, 6, 7]
