@@ -94,11 +94,35 @@ def main() -> int:
             p["pid"] != proxy_pid for g in during["gpus"] for p in g["processes"])
         _, outputs = execute(kc, "%gpumem")
         checks["gpumem_text"] = outputs[0]["content"]["data"]["text/plain"]
-        execute(kc, "del x\ntorch.cuda.empty_cache()")
+        execute(kc, "del x")
+        _, outputs = execute(kc, "%emptycache --json", timeout=60)
+        checks["emptycache_report"] = outputs[0]["content"]["data"]["application/json"]
         after = gpumem(kc)
         nvml_after = next((p["used_memory"] for g in after["gpus"] for p in g["processes"] if p["pid"] == child_pid), 0)
         checks["process_memory_after_del_and_empty_cache"] = nvml_after
         checks["freed_fraction_of_N"] = (nvml_child - nvml_after) / (N_GIB * 2**30)
+        # The gauge keeps updating while a training loop runs in the next cell.
+        _, outputs = execute(kc, "%gpumem --watch 0.2")
+        msg_id = kc.execute("import time\nlin = torch.nn.Linear(4096, 4096).cuda()\n"
+                            "opt = torch.optim.Adam(lin.parameters())\nt0 = time.time()\n"
+                            "while time.time() - t0 < 3:\n"
+                            "    loss = lin(torch.randn(512, 4096, device='cuda')).square().mean()\n"
+                            "    loss.backward(); opt.step(); opt.zero_grad()\n"
+                            "torch.cuda.synchronize(); print('trained')")
+        updates, done = 0, False
+        deadline = time.monotonic() + 30
+        while not done and time.monotonic() < deadline:
+            msg = kc.get_iopub_msg(timeout=10)
+            updates += msg["msg_type"] == "update_display_data"
+            done = (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status"
+                    and msg["content"]["execution_state"] == "idle")
+        execute(kc, "%gpumem --stop")
+        checks["gauge_updates_during_3s_training"] = updates
+        # A libtorch magic gives gpukernel a CUDA context; afterwards its memory is back.
+        _, outputs = execute(kc, "%maxbatch resnet18 --input 3x64x64 --max 256 --json", timeout=300)
+        data = outputs[-1]["content"]["data"].get("application/json", {})
+        checks["maxbatch_resnet18"] = {k: data.get(k) for k in ("max_batch", "recommended", "exact", "after_allocated_bytes")}
+        checks["maxbatch_trials"] = len(data.get("trials", []))
     results["gpu_python"] = checks
 
     # 3. Latency: %gpumem --json round trip vs nvidia-smi and gpustat as commands.
