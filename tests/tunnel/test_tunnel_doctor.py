@@ -123,3 +123,34 @@ def test_unknown_alias_fails_at_connect(tunnel_bin, state_dir, tmp_path):
     assert r.returncode == EXIT["unknown_alias"], r.stdout + r.stderr
     assert steps(r.stdout)[0] == ("ok", "config")
     assert failed_step(r) == "connect"
+
+
+def test_each_jump_host_is_a_step_and_a_changed_middle_key_is_named(
+        sshd, state_dir, tunnel_bin, jupyter_prefix, tmp_path):
+    from sshd import Sshd
+
+    servers = [Sshd(tmp_path / f"jump{i}", alias=f"jump{i}") for i in (1, 2)]
+    try:
+        for s in servers:
+            s.start()
+        j1, j2 = servers
+        cfg = tmp_path / "route_config"
+        cfg.write_text(j1.client_config() + j2.client_config() + sshd.client_config())
+        argv = ["doctor", "-F", str(cfg), "-J", "jump1,jump2", sshd.alias,
+                "--env", str(jupyter_prefix)]
+        r = run_tunnel(tunnel_bin, state_dir, *argv, timeout=120)
+        assert r.returncode == EXIT["ok"], r.stdout + r.stderr
+        hops = [l for l in r.stdout.splitlines() if l.startswith("ok    auth")]
+        assert [h.split()[2:5] for h in hops] == [
+            ["jump", "host", "1"], ["jump", "host", "2"], ["target", sshd.alias, f"({sshd.user}@127.0.0.1"]]
+
+        j2.rotate_host_key()
+        r = run_tunnel(tunnel_bin, state_dir, *argv, timeout=120)
+        assert r.returncode == EXIT["host_key_changed"], r.stdout + r.stderr
+        assert failed_step(r) == "host key"
+        fail = next(l for l in r.stdout.splitlines() if l.startswith("FAIL"))
+        assert "jump host 2 jump2" in fail and "HOST KEY CHANGED" in fail
+        assert "--accept-new" not in r.stdout  # it would not help with a changed key
+    finally:
+        for s in servers:
+            s.cleanup()

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::cli::{App, DoctorArgs};
 use crate::config::{self, LocalUser, Sources, Target};
-use crate::connect::ConnectError;
+use crate::connect::{ConnectError, HostKeyError};
 use crate::exit::{Exit, HasExit};
 use crate::remote::{Event, LaunchSpec, Launcher};
 use crate::route::{self, Passed, RouteError};
@@ -193,20 +193,25 @@ impl<E: std::fmt::Display + HasExit> HasExitDisplay for E {
 }
 
 fn route_failure(r: &Report, label: &str, e: &RouteError) -> DoctorError {
-    let why = format!("{label}: {e}");
+    // The label already names the hop: show the inner error without the
+    // route's own "jump host ..." prefix.
     match e {
         RouteError::Connect {
-            source: ConnectError::HostKey(_),
+            source: ConnectError::HostKey(key),
             ..
         } => {
             r.ok("connect", label);
-            r.fail(
-                "host key",
-                why,
-                "check the fingerprint with the host's admin; if it is right, record it \
-                 (`tunnel up --accept-new HOST` once, or `ssh HOST`)",
-                e.exit(),
-            )
+            let todo = match key {
+                HostKeyError::Unknown { .. } => {
+                    "check the fingerprint with the host's admin; if it is right, record it \
+                     (`tunnel up --accept-new HOST` once, or `ssh HOST`)"
+                }
+                _ => {
+                    "do not connect until the host's admin confirms the new key; then \
+                     remove the old entry as shown and record the new one"
+                }
+            };
+            r.fail("host key", format!("{label}: {key}"), todo, e.exit())
         }
         RouteError::Connect { source, .. } => {
             let todo = match source {
@@ -218,13 +223,14 @@ fn route_failure(r: &Report, label: &str, e: &RouteError) -> DoctorError {
                       and the network (VPN, firewall)"
                 }
             };
-            r.fail("connect", why, todo, e.exit())
+            r.fail("connect", format!("{label}: {source}"), todo, e.exit())
         }
-        RouteError::Auth { .. } => r.fail(
+        RouteError::Auth { source, .. } => r.fail(
             "auth",
-            why,
+            format!("{label}: {source}"),
             "check User (ssh config or USER@HOST) and that your public key is in that \
-             user's ~/.ssh/authorized_keys; set IdentityFile or `ssh-add` the key",
+             user's ~/.ssh/authorized_keys; set IdentityFile or `ssh-add` the key; \
+             a one-time code needs a terminal",
             e.exit(),
         ),
     }
