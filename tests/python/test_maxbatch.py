@@ -60,3 +60,15 @@ def test_python_variable_hint_in_the_python_kernel():
         execute(kc, "model = object()")
         reply, _ = execute(kc, "%maxbatch model")
         assert "torch.jit.script(model).save" in reply["content"]["evalue"]
+
+
+def test_gpumem_shows_gpukernel_allocator_once_libtorch_is_loaded():
+    with running_kernel("gpu-magics") as (km, kc):
+        _, outputs = execute(kc, "%gpumem")
+        assert "gpukernel" not in outputs[0]["content"]["data"]["text/plain"]
+        execute(kc, "%maxbatch resnet18 --input 3x32x32", timeout=120)  # loads libtorch
+        _, outputs = execute(kc, "%gpumem")
+        text = outputs[0]["content"]["data"]["text/plain"]
+        assert "gpukernel: libtorch loaded, no CUDA context" in text, text
+        _, outputs = execute(kc, "%gpumem --json")
+        assert "no CUDA context" in outputs[0]["content"]["data"]["application/json"]["gpukernel_allocator"]

@@ -75,11 +75,15 @@ impl Magic for GpuMem {
                 pid: p.pid(),
                 torch: p.torch(),
             });
-            let data = if args.json {
+            let own = ctx.gpu.own_allocator(snapshot.as_ref().ok());
+            let mut data = if args.json {
                 json_bundle(&snapshot, python.as_ref())
             } else {
                 render(&snapshot, python.as_ref())
             };
+            if let Some(own) = own {
+                append_text(&mut data, &own);
+            }
             ctx.out.emit(if args.json {
                 Output::Result { data }
             } else {
@@ -101,6 +105,26 @@ impl Magic for GpuMem {
         } else {
             Err(MagicError::interrupted())
         }
+    }
+}
+
+/// Adds a paragraph to a bundle's text (and HTML, or JSON as `gpukernel_allocator`).
+fn append_text(data: &mut Bundle, paragraph: &str) {
+    if let Some(Value::String(text)) = data.get_mut("text/plain") {
+        if !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push('\n');
+        text.push_str(paragraph);
+    }
+    if let Some(Value::String(html)) = data.get_mut("text/html") {
+        html.push_str(&format!("<pre>{}</pre>", html_escape(paragraph)));
+    }
+    if let Some(Value::Object(json)) = data.get_mut("application/json") {
+        json.insert(
+            "gpukernel_allocator".into(),
+            Value::String(paragraph.to_string()),
+        );
     }
 }
 

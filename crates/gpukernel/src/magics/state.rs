@@ -73,6 +73,74 @@ impl GpuState {
         }
     }
 
+    /// gpukernel's own caching allocator, if libtorch is loaded (a libtorch magic ran): one
+    /// line per device with its figures and the CUDA context's cost (NVML's figure for this
+    /// process less what the allocator reserves). `None` when libtorch was never loaded.
+    pub fn own_allocator(&self, snapshot: Option<&GpuSnapshot>) -> Option<String> {
+        #[cfg(feature = "torch")]
+        {
+            use gpuprobe::plugin_api::{AllocatorStats, Request};
+            use gpuprobe::units::human_bytes;
+            let plugin = crate::torch_plugin::loaded()?;
+            let stats = plugin
+                .request(&Request::AllocatorStats)
+                .map_err(|e| e.to_string())
+                .and_then(|v| {
+                    serde_json::from_value::<AllocatorStats>(v).map_err(|e| e.to_string())
+                });
+            let stats = match stats {
+                Ok(stats) => stats,
+                Err(e) => {
+                    return Some(format!(
+                        "gpukernel: libtorch loaded; allocator unreadable: {e}\n"
+                    ))
+                }
+            };
+            if !stats.initialized {
+                return Some(
+                    "gpukernel: libtorch loaded, no CUDA context (holds no GPU memory).\n".into(),
+                );
+            }
+            let me = std::process::id();
+            let nvml_total: u64 = snapshot
+                .map(|s| {
+                    s.gpus
+                        .iter()
+                        .flat_map(|g| g.processes.iter())
+                        .filter(|p| p.pid == me)
+                        .filter_map(|p| p.used_memory)
+                        .sum()
+                })
+                .unwrap_or(0);
+            let mut text = String::from("gpukernel's own allocator (libtorch):\n");
+            let mut reserved_total = 0u64;
+            for d in &stats.devices {
+                let reserved = d.reserved_bytes.current.max(0) as u64;
+                reserved_total += reserved;
+                text.push_str(&format!(
+                    "  cuda:{} allocated {}, reserved {}, peak {}\n",
+                    d.device,
+                    human_bytes(d.allocated_bytes.current.max(0) as u64),
+                    human_bytes(reserved),
+                    human_bytes(d.allocated_bytes.peak.max(0) as u64)
+                ));
+            }
+            if nvml_total > 0 {
+                text.push_str(&format!(
+                    "  CUDA context and libraries: {} (process total {} less reserved)\n",
+                    human_bytes(nvml_total.saturating_sub(reserved_total)),
+                    human_bytes(nvml_total)
+                ));
+            }
+            Some(text)
+        }
+        #[cfg(not(feature = "torch"))]
+        {
+            let _ = snapshot;
+            None
+        }
+    }
+
     /// Empties gpukernel's own caching allocator if libtorch is loaded and holds a CUDA
     /// context; says what it did. Never loads libtorch just for this.
     pub fn empty_own_cache(&self) -> String {
