@@ -123,6 +123,10 @@ def main() -> int:
         data = outputs[-1]["content"]["data"].get("application/json", {})
         checks["maxbatch_resnet18"] = {k: data.get(k) for k in ("max_batch", "recommended", "exact", "after_allocated_bytes")}
         checks["maxbatch_trials"] = len(data.get("trials", []))
+        after_maxbatch = gpumem(kc)
+        checks["gpukernel_allocator_after_maxbatch"] = after_maxbatch.get("gpukernel_allocator")
+        checks["gpukernel_nvml_after_maxbatch"] = next(
+            (p["used_memory"] for g in after_maxbatch["gpus"] for p in g["processes"] if p["pid"] == proxy_pid), None)
     results["gpu_python"] = checks
 
     # 3. Latency: %gpumem --json round trip vs nvidia-smi and gpustat as commands.
