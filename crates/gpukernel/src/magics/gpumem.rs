@@ -84,14 +84,7 @@ impl Magic for GpuMem {
             if let Some(own) = own {
                 append_text(&mut data, &own);
             }
-            ctx.out.emit(if args.json {
-                Output::Result { data }
-            } else {
-                Output::Display {
-                    data,
-                    display_id: None,
-                }
-            });
+            ctx.out.emit(Output::value_or_display(data, args.json));
             return Ok(());
         };
         if ctx.python.is_some() {

@@ -242,14 +242,7 @@ fn run_search(
         return Err(MagicError::interrupted());
     }
     let data = super::maxbatch_report::summary(args, &report);
-    ctx.out.emit(if args.json {
-        Output::Result { data }
-    } else {
-        Output::Display {
-            data,
-            display_id: None,
-        }
-    });
+    ctx.out.emit(Output::value_or_display(data, args.json));
     Ok(())
 }
 

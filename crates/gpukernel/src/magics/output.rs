@@ -46,6 +46,20 @@ pub enum Output {
     },
 }
 
+impl Output {
+    /// The cell's value when a script asked for it (`--json`), else a plain display.
+    pub fn value_or_display(data: Bundle, as_value: bool) -> Self {
+        if as_value {
+            Output::Result { data }
+        } else {
+            Output::Display {
+                data,
+                display_id: None,
+            }
+        }
+    }
+}
+
 /// Builds a bundle from text and optional HTML.
 pub fn bundle(text: impl Into<String>, html: Option<String>) -> Bundle {
     let mut data = Bundle::new();
