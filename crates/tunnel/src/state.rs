@@ -194,22 +194,7 @@ impl StateFile {
 
     /// Rewrite atomically (0600 temp file, then rename).
     pub fn save(&self) -> Result<(), StateError> {
-        let tmp = self.path.with_extension("json.tmp");
-        let io = |source| StateError::Io {
-            path: tmp.clone(),
-            source,
-        };
-        let json = serde_json::to_vec_pretty(&self.state).map_err(|e| io(e.into()))?;
-        let _ = fs::remove_file(&tmp);
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(io)?;
-        f.write_all(&json).map_err(io)?;
-        fs::rename(&tmp, &self.path).map_err(io)?;
-        Ok(())
+        write_private_json(&self.path, "json.tmp", &self.state)
     }
 
     pub fn dir(&self) -> &Path {
@@ -249,6 +234,31 @@ pub struct ServerRecord {
     pub saved_at: u64,
 }
 
+/// Writes `value` as JSON to `path` atomically: a 0600 temp file (extension `tmp_ext`) that
+/// is then renamed over it, so readers never see a partial file or a wider mode.
+fn write_private_json(
+    path: &Path,
+    tmp_ext: &str,
+    value: &impl Serialize,
+) -> Result<(), StateError> {
+    let tmp = path.with_extension(tmp_ext);
+    let io = |source| StateError::Io {
+        path: tmp.clone(),
+        source,
+    };
+    let json = serde_json::to_vec_pretty(value).map_err(|e| io(e.into()))?;
+    let _ = fs::remove_file(&tmp);
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io)?;
+    f.write_all(&json).map_err(io)?;
+    fs::rename(&tmp, path).map_err(io)?;
+    Ok(())
+}
+
 fn server_path(dir: &Path, host: &str) -> PathBuf {
     dir.join(format!("{}.server", key(host)))
 }
@@ -268,22 +278,7 @@ impl ServerRecord {
         let d = dir()?;
         ensure_dir(&d)?;
         let path = server_path(&d, &self.host);
-        let tmp = path.with_extension("server.tmp");
-        let io = |source| StateError::Io {
-            path: tmp.clone(),
-            source,
-        };
-        let json = serde_json::to_vec_pretty(self).map_err(|e| io(e.into()))?;
-        let _ = fs::remove_file(&tmp);
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(io)?;
-        f.write_all(&json).map_err(io)?;
-        fs::rename(&tmp, &path).map_err(io)?;
-        Ok(())
+        write_private_json(&path, "server.tmp", self)
     }
 
     pub fn remove(host: &str) {
