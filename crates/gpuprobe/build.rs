@@ -16,6 +16,7 @@ mod shim {
     pub fn build() {
         println!("cargo:rerun-if-changed=shim/allocator.cpp");
         println!("cargo:rerun-if-changed=shim/allocator.h");
+        println!("cargo:rerun-if-changed=shim/autocast.cpp");
         println!("cargo:rerun-if-env-changed=GPUPROBE_CUDA_INCLUDE");
         println!("cargo:rerun-if-env-changed=CUDA_HOME");
         let Ok(lib) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
@@ -30,7 +31,8 @@ mod shim {
             .std("c++17")
             .define("_GLIBCXX_USE_CXX11_ABI", "1")
             .include("shim")
-            .file("shim/allocator.cpp");
+            .file("shim/allocator.cpp")
+            .file("shim/autocast.cpp");
         // -isystem: libtorch's headers are not ours to keep warning-free.
         for dir in [include.clone(), include.join("torch/csrc/api/include")] {
             build.flag("-isystem").flag(dir.display().to_string());

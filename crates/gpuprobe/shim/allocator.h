@@ -61,6 +61,11 @@ int gpa_try_allocate(int32_t device, uint64_t bytes, char* err, size_t err_len);
 // 3 std::runtime_error, 4 a non-std exception) through the same guard as the functions above.
 int gpa_selftest_throw(int32_t what, char* err, size_t err_len);
 
+// Autocast (mixed precision) on CUDA (cuda != 0) or the CPU: `enabled` != 0 turns it on with
+// bf16 (bf16 != 0) or fp16 and enters one nesting level; 0 turns it off, leaves the level and
+// frees the cached weight casts when the last level is left. In autocast.cpp.
+int gpa_autocast(int32_t cuda, int32_t enabled, int32_t bf16, char* err, size_t err_len);
+
 #ifdef __cplusplus
 }
 #endif

@@ -74,6 +74,8 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn gpa_try_allocate(device: i32, bytes: u64, err: *mut c_char, err_len: usize) -> c_int;
+    fn gpa_autocast(cuda: i32, enabled: i32, bf16: i32, err: *mut c_char, err_len: usize)
+        -> c_int;
     #[cfg(test)]
     fn gpa_selftest_throw(what: i32, err: *mut c_char, err_len: usize) -> c_int;
 }
@@ -208,6 +210,30 @@ pub fn try_allocate(device: usize, bytes: u64) -> Result<(), AllocatorError> {
     call(|err, len| unsafe { gpa_try_allocate(index, bytes, err, len) })
 }
 
+/// Mixed precision while it lives: autocast on (CUDA or the CPU) with bf16 or fp16, off
+/// again and its cached weight casts freed when dropped. Lives in this module because the
+/// switch is in the same C++ shim (tch only wraps the deprecated fp16-only CUDA switch).
+pub struct Autocast {
+    cuda: i32,
+}
+
+impl Autocast {
+    pub fn enter(cuda: bool, bf16: bool) -> Result<Self, AllocatorError> {
+        let cuda = i32::from(cuda);
+        // SAFETY: the buffer outlives the call.
+        call(|err, len| unsafe { gpa_autocast(cuda, 1, i32::from(bf16), err, len) })?;
+        Ok(Self { cuda })
+    }
+}
+
+impl Drop for Autocast {
+    fn drop(&mut self) {
+        let cuda = self.cuda;
+        // SAFETY: the buffer outlives the call. Turning autocast off cannot usefully fail.
+        let _ = call(|err, len| unsafe { gpa_autocast(cuda, 0, 0, err, len) });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,5 +293,15 @@ mod tests {
             try_allocate(0, u64::MAX),
             Err(AllocatorError::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn autocast_changes_the_compute_dtype_while_it_lives() {
+        let a = tch::Tensor::ones([4, 4], (tch::Kind::Float, tch::Device::Cpu));
+        {
+            let _amp = Autocast::enter(false, true).expect("autocast on the CPU");
+            assert_eq!(a.matmul(&a).kind(), tch::Kind::BFloat16);
+        }
+        assert_eq!(a.matmul(&a).kind(), tch::Kind::Float);
     }
 }

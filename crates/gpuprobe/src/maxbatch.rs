@@ -6,10 +6,18 @@
 //! the gradients, optimizer state and split blocks the first left behind, as every later
 //! training step does. An OOM is recognised by the allocator's own `num_ooms` counter going
 //! up, not by the error's text.
+//!
+//! The fit uses each trial's peak *allocated* bytes, which grow in a straight line with the
+//! batch; the cache's reserved peak does not near the limit (the allocator frees cached blocks
+//! and retries before it gives up), so it misleads a fit. What the cache needs beyond the
+//! allocated bytes shows up as the OOM boundary, which the search brackets. `--limit` caps
+//! the allocator itself (`set_per_process_memory_fraction`), so a smaller card is reproduced
+//! with its real OOMs, not estimated.
 
 use crate::allocator;
 use crate::plugin_api::{
-    MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision, BUILTIN_MODELS,
+    MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision, ThroughputPoint,
+    BUILTIN_MODELS,
 };
 use crate::search::{self, Outcome, SearchConfig, Stop};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -91,6 +99,7 @@ struct Trainer {
     input: Vec<i64>,
     vocab: Option<i64>,
     dtype: Kind,
+    amp: Option<Precision>,
     inference: bool,
 }
 
@@ -100,6 +109,11 @@ fn torch_err(e: tch::TchError) -> String {
 
 impl Trainer {
     fn new(request: &MaxBatchRequest, device: Device) -> Result<Self, String> {
+        if request.amp.is_some() && request.dtype.is_some() {
+            return Err("--amp keeps fp32 weights and autocasts the forward pass; \
+                        it does not combine with --dtype"
+                .into());
+        }
         let dtype = kind(request.dtype);
         let (model, vs, input) = match &request.model {
             ModelSource::Builtin { name } => {
@@ -136,6 +150,7 @@ impl Trainer {
             input,
             vocab: request.vocab,
             dtype,
+            amp: request.amp,
             inference: request.inference,
         };
         if !request.inference {
@@ -183,14 +198,25 @@ impl Trainer {
     /// The optimizer state is allocated by a real step, so it counts in the fixed part.
     fn step(&mut self, batch: u64) -> Result<(), String> {
         let x = self.batch_input(batch)?;
+        // Autocast covers the forward pass only, as torch.autocast is used in training loops:
+        // backward runs in the dtypes the forward chose.
+        let forward = |train: bool| -> Result<Tensor, String> {
+            let _amp = match self.amp {
+                Some(p) => Some(
+                    allocator::Autocast::enter(self.device.is_cuda(), p == Precision::Bf16)
+                        .map_err(|e| e.to_string())?,
+                ),
+                None => None,
+            };
+            self.model.forward(&x, train)
+        };
         if self.inference {
             let _guard = tch::no_grad_guard();
-            let y = self.model.forward(&x, false)?;
-            drop(y);
+            drop(forward(false)?);
             return Ok(());
         }
-        let y = self.model.forward(&x, true)?;
-        let loss = y.f_mean(y.kind()).map_err(torch_err)?;
+        let y = forward(true)?;
+        let loss = y.f_mean(Kind::Float).map_err(torch_err)?;
         loss.f_backward().map_err(torch_err)?;
         if let Some(optimizer) = &mut self.optimizer {
             optimizer.step().map_err(torch_err)?;
@@ -213,27 +239,36 @@ fn ooms(device: usize) -> i64 {
         .unwrap_or(0)
 }
 
-/// Runs one trial: resets the peak, runs a step, reads the peak; an OOM by the counter.
 /// Steps per search trial: the second runs on the cache the first left behind (gradients
 /// and optimizer state allocated, blocks split), which is what every later training step
 /// sees. A single clean step underestimates it: a batch found that way can OOM at step 2.
 const STEPS_PER_TRIAL: usize = 2;
 
+/// What one trial measured.
+struct TrialRun {
+    /// Peak allocated bytes when the steps ran.
+    outcome: Outcome,
+    /// The cache's reserved peak (what the device had to hold).
+    reserved_peak: u64,
+    ms: f64,
+}
+
+/// Runs `steps` steps at `batch` after resetting the peak counters; an OOM by the counter.
 /// With `fresh`, the cache is emptied first so each search trial starts from the same state;
 /// repeated training steps keep it, as real training does (fragmentation included).
 fn trial(
     trainer: &mut Trainer,
     device: usize,
     batch: u64,
+    steps: usize,
     fresh: bool,
-) -> Result<(Outcome, f64), String> {
+) -> Result<TrialRun, String> {
     if fresh {
         let _ = allocator::empty_cache();
     }
     allocator::reset_peak(device).map_err(|e| e.to_string())?;
     let before = ooms(device);
     let start = Instant::now();
-    let steps = if fresh { STEPS_PER_TRIAL } else { 1 };
     // tch panics on a failed op (an OOM among them); keep those out of the kernel's log.
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
@@ -247,18 +282,20 @@ fn trial(
     let ms = start.elapsed().as_secs_f64() * 1000.0;
     let oom = ooms(device) > before;
     match result {
-        _ if oom => Ok((Outcome::OutOfMemory, ms)),
+        _ if oom => Ok(TrialRun {
+            outcome: Outcome::OutOfMemory,
+            reserved_peak: 0,
+            ms,
+        }),
         Ok(Ok(())) => {
             let stats = allocator::device_stats(device).map_err(|e| e.to_string())?;
-            Ok((
-                Outcome::Ran {
-                    // Reserved, not allocated: the device runs out when the cache cannot grow,
-                    // and the cache rounds and splits blocks (allocated alone predicted limits
-                    // about 2% too high on an H200).
-                    peak: stats.reserved_bytes.peak.max(0) as u64,
+            Ok(TrialRun {
+                outcome: Outcome::Ran {
+                    peak: stats.allocated_bytes.peak.max(0) as u64,
                 },
+                reserved_peak: stats.reserved_bytes.peak.max(0) as u64,
                 ms,
-            ))
+            })
         }
         Ok(Err(e)) => Err(e),
         Err(panic) => Err(panic
@@ -269,32 +306,152 @@ fn trial(
     }
 }
 
+/// The memory the allocator may use on `device` for a request: with `--limit`, the card's
+/// size less this process's CUDA context, enforced on the allocator for as long as this
+/// lives (restored on drop, also after an error); without, the device as it is.
+struct Budget {
+    device: usize,
+    bytes: u64,
+    context: Option<u64>,
+    capped: bool,
+}
+
+impl Budget {
+    /// Call with the model built, so the context exists and the weights count.
+    fn new(request: &MaxBatchRequest) -> Result<Self, String> {
+        let device = request.device;
+        let stats = allocator::device_stats(device).map_err(|e| e.to_string())?;
+        let reserved = stats.reserved_bytes.current.max(0) as u64;
+        let available = reserved.saturating_add(stats.free);
+        let context = own_context_bytes(reserved);
+        let Some(card) = request.limit else {
+            return Ok(Self {
+                device,
+                bytes: available,
+                context,
+                capped: false,
+            });
+        };
+        let bytes = card.saturating_sub(context.unwrap_or(0));
+        if bytes > available {
+            return Err(format!(
+                "--limit {} is more than this GPU can give (it has {} free besides the {} \
+                 this process holds); use a smaller --limit or free the GPU",
+                crate::units::human_bytes(card),
+                crate::units::human_bytes(stats.free),
+                crate::units::human_bytes(reserved)
+            ));
+        }
+        if stats.total == 0 {
+            return Err("the device reports no memory size".into());
+        }
+        allocator::set_memory_fraction(device, bytes as f64 / stats.total as f64)
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            device,
+            bytes,
+            context,
+            capped: true,
+        })
+    }
+}
+
+impl Drop for Budget {
+    fn drop(&mut self) {
+        if self.capped {
+            let _ = allocator::set_memory_fraction(self.device, 1.0);
+        }
+    }
+}
+
+/// This process's CUDA context: its memory on the GPU as NVML sees it, less what the caching
+/// allocator reserved. `None` where NVML does not list this process (no driver access, or a
+/// PID namespace that hides it).
+fn own_context_bytes(reserved: u64) -> Option<u64> {
+    let nvml = crate::nvml::Nvml::open().ok()?;
+    let snapshot = nvml.snapshot().ok()?;
+    let pid = std::process::id();
+    let used: u64 = snapshot
+        .gpus
+        .iter()
+        .flat_map(|g| g.processes.iter())
+        .filter(|p| p.pid == pid)
+        .filter_map(|p| p.used_memory)
+        .sum();
+    (used > 0).then(|| used.saturating_sub(reserved))
+}
+
 /// Runs `count` steps at `batch` on `setup.device`, stopping at the first OOM.
 pub fn steps(setup: &MaxBatchRequest, batch: u64, count: u32) -> Result<serde_json::Value, String> {
     let device = setup.device;
     let mut trainer = Trainer::new(setup, Device::Cuda(device))?;
+    let budget = Budget::new(setup)?;
     let mut peak = 0u64;
     let mut ran = 0u32;
     let mut oom = false;
     for _ in 0..count {
-        match trial(&mut trainer, device, batch, false)? {
-            (Outcome::Ran { peak: p }, _) => {
-                peak = peak.max(p);
+        match trial(&mut trainer, device, batch, 1, false)?.outcome {
+            Outcome::Ran { .. } => {
+                let stats = allocator::device_stats(device).map_err(|e| e.to_string())?;
+                peak = peak.max(stats.reserved_bytes.peak.max(0) as u64);
                 ran += 1;
             }
-            (Outcome::OutOfMemory, _) => {
+            Outcome::OutOfMemory => {
                 oom = true;
                 break;
             }
         }
     }
     drop(trainer);
+    drop(budget);
     let _ = allocator::empty_cache();
     let after = allocator::device_stats(device).map_err(|e| e.to_string())?;
     Ok(
         serde_json::json!({"steps_run": ran, "out_of_memory": oom, "peak": peak,
                           "after_allocated": after.allocated_bytes.current}),
     )
+}
+
+/// Samples per second at each batch: two warm-up steps (cuDNN picks its algorithms, the
+/// cache fills), then `count` timed steps, each batch from a fresh model.
+pub fn throughput(
+    setup: &MaxBatchRequest,
+    batches: &[u64],
+    count: u32,
+    progress: &dyn Fn(&str) -> bool,
+) -> Result<Vec<ThroughputPoint>, String> {
+    if !tch::Cuda::is_available() {
+        return Err("no CUDA device is visible to libtorch".into());
+    }
+    let device = setup.device;
+    let mut points = Vec::new();
+    for &batch in batches {
+        let mut trainer = Trainer::new(setup, Device::Cuda(device))?;
+        let budget = Budget::new(setup)?;
+        let warm = trial(&mut trainer, device, batch, 2, true)?;
+        let timed = match warm.outcome {
+            Outcome::Ran { .. } => Some(trial(&mut trainer, device, batch, count as usize, false)?),
+            Outcome::OutOfMemory => None,
+        };
+        drop(trainer);
+        drop(budget);
+        let samples_per_s = timed.and_then(|t| match t.outcome {
+            Outcome::Ran { .. } => Some(batch as f64 * f64::from(count) / (t.ms / 1000.0)),
+            Outcome::OutOfMemory => None,
+        });
+        let event = serde_json::json!({"event": "throughput", "batch": batch,
+                                       "samples_per_s": samples_per_s,
+                                       "out_of_memory": samples_per_s.is_none()});
+        points.push(ThroughputPoint {
+            batch,
+            samples_per_s,
+        });
+        if progress(&event.to_string()) {
+            break;
+        }
+    }
+    let _ = allocator::empty_cache();
+    Ok(points)
 }
 
 /// Validates model and input with one tiny step on the CPU (no GPU here).
@@ -324,48 +481,57 @@ pub fn run(
     // fresh model with no gradients or optimizer state, as a training run does: state that
     // the first step allocates among its activations fragments the cache differently from
     // state carried over from a smaller trial.
-    let baseline = {
+    let (baseline, budget) = {
         let _probe_build = Trainer::new(request, Device::Cuda(device))?;
-        allocator::device_stats(device).map_err(|e| e.to_string())?
+        let stats = allocator::device_stats(device).map_err(|e| e.to_string())?;
+        (stats, Budget::new(request)?)
     };
-    let free = baseline.free;
-    let limit = request
-        .limit
-        .unwrap_or((baseline.reserved_bytes.current.max(0) as u64).saturating_add(free));
+    let limit = budget.bytes;
     let config = SearchConfig {
         limit,
         max_batch: request.max_batch,
         max_trials: request.max_trials,
+        tolerance: request.tolerance,
         ..SearchConfig::default()
     };
     let mut durations: Vec<(u64, f64)> = Vec::new();
+    let mut reserved: Vec<(u64, u64)> = Vec::new();
     let probe = |batch: u64| -> Result<Outcome, Stop> {
         let mut trainer = Trainer::new(request, Device::Cuda(device)).map_err(Stop::Failed)?;
-        let (outcome, ms) = trial(&mut trainer, device, batch, true).map_err(Stop::Failed)?;
+        let run =
+            trial(&mut trainer, device, batch, STEPS_PER_TRIAL, true).map_err(Stop::Failed)?;
         drop(trainer);
-        durations.push((batch, ms));
-        let event = serde_json::json!({"event": "trial", "batch": batch, "outcome": outcome,
-                                       "fits": matches!(outcome, Outcome::Ran{peak} if peak <= limit),
-                                       "ms": ms, "limit": limit});
+        durations.push((batch, run.ms));
+        if matches!(run.outcome, Outcome::Ran { .. }) {
+            reserved.push((batch, run.reserved_peak));
+        }
+        let event = serde_json::json!({"event": "trial", "batch": batch, "outcome": run.outcome,
+                                       "fits": matches!(run.outcome, Outcome::Ran{peak} if peak <= limit),
+                                       "reserved_peak": run.reserved_peak,
+                                       "ms": run.ms, "limit": limit});
         if progress(&event.to_string()) {
             return Err(Stop::Cancelled);
         }
-        Ok(outcome)
+        Ok(run.outcome)
     };
     let result = if request.baseline_search {
         search::double_then_bisect(&config, 2, probe)
     } else {
         search::search(&config, probe)
     };
+    let context_bytes = budget.context;
+    drop(budget);
     let _ = allocator::empty_cache();
     let after = allocator::device_stats(device).map_err(|e| e.to_string())?;
     Ok(MaxBatchReport {
         search: serde_json::to_value(&result).map_err(|e| e.to_string())?,
         limit,
+        context_bytes,
         baseline_allocated: baseline.allocated_bytes.current.max(0) as u64,
         after_allocated: after.allocated_bytes.current.max(0) as u64,
         after_reserved: after.reserved_bytes.current.max(0) as u64,
         trial_ms: durations,
+        trial_reserved: reserved,
         elapsed_ms: started.elapsed().as_secs_f64() * 1000.0,
         device_total: baseline.total,
     })
@@ -388,6 +554,8 @@ mod tests {
             limit: None,
             max_batch: 1 << 16,
             max_trials: 12,
+            tolerance: 0.0,
+            amp: None,
             baseline_search: false,
         }
     }
@@ -400,6 +568,19 @@ mod tests {
         r.input = Some(vec![3, 64, 64]); // small: this is a CPU test
         let said = validate_on_cpu(&r).expect("resnet18 trains on CPU");
         assert!(said.contains("[3, 64, 64]"), "{said}");
+    }
+
+    #[test]
+    fn mixed_precision_trains_a_step_and_refuses_a_second_dtype() {
+        let mut r = request(ModelSource::Builtin {
+            name: "resnet18".into(),
+        });
+        r.input = Some(vec![3, 32, 32]);
+        r.amp = Some(Precision::Bf16);
+        validate_on_cpu(&r).expect("bf16 autocast trains on the CPU");
+        r.dtype = Some(Precision::Fp16);
+        let err = validate_on_cpu(&r).unwrap_err();
+        assert!(err.contains("--amp") && err.contains("--dtype"), "{err}");
     }
 
     #[test]

@@ -57,6 +57,23 @@ pub enum Request {
         batch: u64,
         steps: u32,
     },
+    /// `%maxbatch --throughput`: samples per second of `steps` timed training steps (after two
+    /// warm-up steps) at each of `batches`, each from a fresh model. Progress events are
+    /// `{"event":"throughput", "batch", "samples_per_s", "out_of_memory"}`; replies a list of
+    /// [`ThroughputPoint`].
+    Throughput {
+        setup: MaxBatchRequest,
+        batches: Vec<u64>,
+        steps: u32,
+    },
+}
+
+/// Training speed at one batch size.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ThroughputPoint {
+    pub batch: u64,
+    /// `None` when the batch ran out of memory.
+    pub samples_per_s: Option<f64>,
 }
 
 /// Built-in architectures (`tch::vision`, random weights) that [`ModelSource::Builtin`] names.
@@ -124,14 +141,21 @@ pub struct MaxBatchRequest {
     pub vocab: Option<i64>,
     /// Parameters and inputs in this precision instead of fp32.
     pub dtype: Option<Precision>,
+    /// Mixed precision: fp32 parameters and optimizer state, the forward pass autocast to this.
+    #[serde(default)]
+    pub amp: Option<Precision>,
     pub optimizer: OptimizerKind,
     /// Forward only, without gradients.
     pub inference: bool,
     pub device: usize,
-    /// Memory budget in bytes (default: what the device has free, plus what we hold).
+    /// The size of the card to answer for, in bytes (default: this device as it is, i.e. what
+    /// it has free plus what we hold). The CUDA context's own memory is taken off it.
     pub limit: Option<u64>,
     pub max_batch: u64,
     pub max_trials: usize,
+    /// Stop once the answer is within this fraction of the true maximum (0: to the sample).
+    #[serde(default)]
+    pub tolerance: f64,
     /// Run Lightning's double-then-bisect instead (for benchmarks).
     #[serde(default)]
     pub baseline_search: bool,
@@ -142,7 +166,12 @@ pub struct MaxBatchRequest {
 pub struct MaxBatchReport {
     /// `crate::search::SearchResult` as JSON.
     pub search: Value,
+    /// What the caching allocator could hold during the search (the card less the context).
     pub limit: u64,
+    /// This process's CUDA context on the device (NVML's figure less the allocator's), taken
+    /// off `--limit`; `None` where NVML could not say.
+    #[serde(default)]
+    pub context_bytes: Option<u64>,
     /// Allocated bytes with the model built, before the first trial.
     pub baseline_allocated: u64,
     /// Allocated and reserved bytes after the model was dropped and the cache emptied.
@@ -150,6 +179,10 @@ pub struct MaxBatchReport {
     pub after_reserved: u64,
     /// (batch, milliseconds) of each trial.
     pub trial_ms: Vec<(u64, f64)>,
+    /// (batch, the cache's reserved peak) of each trial that ran: what the device had to
+    /// hold, beside the allocated peak the fit uses.
+    #[serde(default)]
+    pub trial_reserved: Vec<(u64, u64)>,
     pub elapsed_ms: f64,
     pub device_total: u64,
 }

@@ -41,6 +41,11 @@ pub struct SearchConfig {
     pub max_trials: usize,
     /// The two opening batch sizes (the line's two points).
     pub opening: (u64, u64),
+    /// How close is close enough, as a fraction of the answer: the search stops once the
+    /// largest batch that fits is within this of the true maximum (0: to the sample).
+    /// Near the limit every trial is the most expensive one, and an answer that gets a margin
+    /// taken off anyway gains nothing from the last percent.
+    pub tolerance: f64,
 }
 
 impl Default for SearchConfig {
@@ -50,6 +55,7 @@ impl Default for SearchConfig {
             max_batch: 1 << 20,
             max_trials: 12,
             opening: (4, 64),
+            tolerance: 0.0,
         }
     }
 }
@@ -72,6 +78,8 @@ pub struct SearchResult {
     pub min_fail: Option<u64>,
     /// `max_fit + 1 == min_fail` (or `max_fit == max_batch`): the answer is exact.
     pub exact: bool,
+    /// The answer is within the tolerance of the true maximum (`exact` implies it).
+    pub settled: bool,
     pub trials: Vec<Trial>,
     /// Fixed bytes and bytes per sample of the line through the two opening trials.
     pub fit: Option<(f64, f64)>,
@@ -152,9 +160,32 @@ impl<'a> State<'a> {
         }
     }
 
+    /// Batches above `lo` the answer may miss by: the tolerance, in samples.
+    fn slack(&self, lo: u64) -> u64 {
+        (lo as f64 * self.config.tolerance.clamp(0.0, 0.5)).floor() as u64
+    }
+
+    /// The smallest batch whose failure settles the answer at `lo`.
+    fn closing_above(&self, lo: u64) -> u64 {
+        lo + self.slack(lo) + 1
+    }
+
+    /// The smallest batch that, if it fits, settles the answer given that `hi` does not.
+    fn closing_below(&self, hi: u64) -> u64 {
+        let t = 1.0 + self.config.tolerance.clamp(0.0, 0.5);
+        let mut c = (((hi - 1) as f64) / t).ceil().max(1.0) as u64;
+        while c > 1 && (c - 1) + self.slack(c - 1) + 1 >= hi {
+            c -= 1;
+        }
+        while c + self.slack(c) + 1 < hi {
+            c += 1;
+        }
+        c
+    }
+
     fn done(&self) -> bool {
         match (self.lo, self.hi) {
-            (Some(lo), Some(hi)) => hi <= lo + 1,
+            (Some(lo), Some(hi)) => hi <= self.closing_above(lo),
             (Some(lo), None) => lo >= self.config.max_batch,
             (None, Some(hi)) => hi <= 1,
             (None, None) => false,
@@ -244,11 +275,22 @@ impl<'a> State<'a> {
         at_least_one(upper.0 + (limit - upper.1) / slope)
     }
 
+    /// Where the prediction says to aim: a tolerance below it when a tolerance is allowed,
+    /// because the fit sees allocated bytes and the cache needs a little more (block rounding
+    /// and splitting); a trial there that fits is then settled by one trial above it.
+    fn aim(&self, prediction: u64) -> u64 {
+        let t = self.config.tolerance.clamp(0.0, 0.5);
+        ((prediction as f64) * (1.0 - t)).floor().max(1.0) as u64
+    }
+
+    /// Trials at the end of the list that did not fit (0 when the last one fitted).
+    fn failures_in_a_row(&self) -> u32 {
+        self.trials.iter().rev().take_while(|t| !t.fits).count() as u32
+    }
+
     fn next_batch(&self, widths: &[u64]) -> u64 {
         let max = self.config.max_batch;
         let prediction = self.predict();
-        let last = self.trials.last();
-        let previous = self.trials.len().checked_sub(2).map(|i| self.trials[i]);
         match (self.lo, self.hi) {
             (Some(lo), Some(hi)) => {
                 let mid = lo + (hi - lo) / 2;
@@ -257,22 +299,40 @@ impl<'a> State<'a> {
                     widths.len() >= 3 && widths[widths.len() - 1] * 2 > widths[widths.len() - 3];
                 let candidate = match prediction {
                     _ if stalled => mid,
-                    Some(p) if lo < p && p < hi => p,
-                    // The model says `lo` is the maximum: confirm with its neighbour.
-                    Some(p) if p <= lo => lo + 1,
-                    // The model overshoots (its prediction failed): back off a little once,
-                    // then bisect until a step fits and the model can be refitted nearby.
-                    _ => match (last, previous) {
-                        (Some(l), Some(p)) if !l.fits && p.fits => hi - ((hi - lo) / 32).max(1),
-                        _ => mid,
-                    },
+                    Some(p) if lo < p && p < hi => {
+                        // The aim, unless one of the two settling trials is as close.
+                        let below = self.closing_below(hi);
+                        let above = self.closing_above(lo);
+                        let aim = self.aim(p);
+                        if aim >= below {
+                            below
+                        } else if aim <= above {
+                            above
+                        } else {
+                            aim
+                        }
+                    }
+                    // The model says `lo` is the maximum: the trial that settles it.
+                    Some(p) if p <= lo => self.closing_above(lo),
+                    // The model overshoots (the cache needs more than the fit sees): back off
+                    // from the failure by the least that could settle the answer, then by four
+                    // times that, then bisect: a fit a little off costs one or two trials, one
+                    // far off (a non-linear model) no more than bisection would.
+                    _ => {
+                        let least = (hi - self.closing_below(hi)).max((hi - lo) / 32).max(1);
+                        match self.failures_in_a_row() {
+                            0 | 1 => hi - least,
+                            2 => hi.saturating_sub(4 * least),
+                            _ => mid,
+                        }
+                    }
                 };
                 candidate.clamp(lo + 1, hi - 1)
             }
             (Some(lo), None) => match prediction {
-                Some(p) if p > lo => p.min(max),
-                // Predicted exactly `lo`: confirm with its neighbour.
-                Some(_) => (lo + 1).min(max),
+                Some(p) if p > lo => self.aim(p).max(self.closing_above(lo)).min(max),
+                // Predicted exactly `lo`: the trial that settles it.
+                Some(_) => self.closing_above(lo).min(max),
                 None => (lo * 2).min(max),
             },
             (None, Some(hi)) => match prediction {
@@ -308,10 +368,12 @@ impl<'a> State<'a> {
             (None, Some(hi)) => hi == 1,
             (None, None) => false,
         };
+        let settled = exact || stopped.is_none() && self.done();
         SearchResult {
             max_fit: self.lo,
             min_fail: self.hi,
             exact: exact && stopped.is_none(),
+            settled: settled && stopped.is_none(),
             trials: self.trials,
             fit,
             stopped,
@@ -450,6 +512,66 @@ mod tests {
         );
         assert!(result.exact);
         assert!(result.trials.len() <= 12);
+    }
+
+    /// A device whose cache needs `overhead` more than the allocated bytes the probe reports
+    /// (block rounding and splitting): OOM comes before the peak reaches the capacity.
+    fn fragmented(
+        capacity: u64,
+        overhead: f64,
+        memory: impl Fn(u64) -> u64,
+    ) -> impl FnMut(u64) -> Result<Outcome, Stop> {
+        move |b| {
+            let m = memory(b);
+            Ok(if m as f64 * (1.0 + overhead) > capacity as f64 {
+                Outcome::OutOfMemory
+            } else {
+                Outcome::Ran { peak: m }
+            })
+        }
+    }
+
+    #[test]
+    fn one_percent_is_settled_in_six_trials_though_the_cache_needs_more() {
+        for capacity in [24 * GIB, 40 * GIB, 80 * GIB, 140 * GIB] {
+            for overhead in [0.0, 0.005, 0.01, 0.015, 0.02] {
+                let config = SearchConfig {
+                    limit: capacity,
+                    max_batch: 1 << 16,
+                    tolerance: 0.01,
+                    ..SearchConfig::default()
+                };
+                let result = search(&config, fragmented(capacity, overhead, resnet50));
+                let truth = (1..1u64 << 16)
+                    .take_while(|b| resnet50(*b) as f64 * (1.0 + overhead) <= capacity as f64)
+                    .last()
+                    .unwrap();
+                let found = result.max_fit.unwrap();
+                let what = format!("{capacity} B, {overhead} overhead: {result:?}");
+                assert!(found <= truth && (truth - found) as f64 <= 0.01 * truth as f64, "{what}");
+                assert!(result.settled && result.trials.len() <= 6, "{what}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_fit_far_off_costs_a_few_trials_not_a_walk() {
+        // The cache needs 8% more than the fit sees: the growing back-off and then bisection
+        // reach it in fewer trials than double-then-bisect's twenty.
+        let config = SearchConfig {
+            limit: 140 * GIB,
+            max_batch: 1 << 16,
+            tolerance: 0.01,
+            ..SearchConfig::default()
+        };
+        let result = search(&config, fragmented(140 * GIB, 0.08, resnet50));
+        let truth = (1..1u64 << 16)
+            .take_while(|b| resnet50(*b) as f64 * 1.08 <= (140 * GIB) as f64)
+            .last()
+            .unwrap();
+        let found = result.max_fit.unwrap();
+        assert!(found <= truth && (truth - found) as f64 <= 0.01 * truth as f64);
+        assert!(result.settled && result.trials.len() <= 10, "{result:?}");
     }
 
     #[test]

@@ -68,6 +68,13 @@ pub fn handle(request: &str, progress: &dyn Fn(&str) -> bool) -> Reply {
             batch,
             steps,
         } => crate::maxbatch::steps(&setup, batch, steps).map_err(torch_failure),
+        Request::Throughput {
+            setup,
+            batches,
+            steps,
+        } => crate::maxbatch::throughput(&setup, &batches, steps, progress)
+            .and_then(|points| serde_json::to_value(points).map_err(|e| e.to_string()))
+            .map_err(torch_failure),
         Request::ValidateOnCpu(request) => crate::maxbatch::validate_on_cpu(&request)
             .map(serde_json::Value::from)
             .map_err(torch_failure),
