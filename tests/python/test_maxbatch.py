@@ -1,11 +1,16 @@
 """%maxbatch on a machine without a GPU: argument errors, and model validation by one real CPU
-training step (built-in and TorchScript). The GPU search itself is checked by
-bench/gpu/maxbatch_check.py on a CUDA machine."""
+training step (built-in, TorchScript file, and a module exported from the notebook, which
+must come out untouched). The GPU search itself is checked by bench/gpu/maxbatch_check.py on a
+CUDA machine."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +48,8 @@ def test_torchscript_file_is_validated_on_cpu(magics, tmp_path):
 
 @pytest.mark.parametrize("cell, expected", [
     ("%maxbatch resnet51", "neither a built-in model nor a TorchScript file"),
+    ("%maxbatch model", "notebook variables work in the gpu-python kernel"),
+    ("%maxbatch resnet50 --amp fp8", "possible values: fp16, bf16"),
     ("%maxbatch resnet50 --limit 24furlongs", "unknown unit"),
     ("%maxbatch resnet50 --input 3x-1", "not a shape"),
     ("%maxbatch resnet50 --optimizer lbfgs", "possible values: none, sgd, adam, adamw"),
@@ -55,11 +62,134 @@ def test_argument_errors_name_the_problem(magics, cell, expected):
     assert expected in reply["content"]["evalue"], reply["content"]["evalue"]
 
 
-def test_python_variable_hint_in_the_python_kernel():
-    with running_kernel("gpu-python") as (km, kc):
-        execute(kc, "model = object()")
-        reply, _ = execute(kc, "%maxbatch model")
-        assert "torch.jit.script(model).save" in reply["content"]["evalue"]
+EXPORT_MODULE = Path(__file__).resolve().parents[2] / "crates/gpukernel/src/magics/export_module.py"
+
+# A model mid-training: BatchNorm statistics moved, gradients and Adam state present. `Traced`
+# cannot be scripted (a Python lambda in forward), so %maxbatch must trace it, which runs
+# forward: BatchNorm and dropout would change state if the export did not put it back.
+NOTEBOOK = """
+import copy, torch
+torch.manual_seed(0)
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.drop = torch.nn.Dropout(0.5)
+        self.head = torch.nn.Linear(8, 4)
+    def forward(self, x):
+        x = self.drop(torch.relu(self.bn(self.conv(x))))
+        return self.head(x.mean(dim=(2, 3)))
+
+class Traced(Net):
+    def __init__(self):
+        super().__init__()
+        self.scale = lambda t: t * 2
+    def forward(self, x):
+        return self.scale(super().forward(x))
+
+def train(model):
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3, 16, 16)).sum().backward()
+    opt.step()
+    return opt
+
+def snapshot(model, opt):
+    return (copy.deepcopy(model.state_dict()), [p.grad.clone() for p in model.parameters()],
+            copy.deepcopy(opt.state_dict()), [m.training for m in model.modules()],
+            torch.random.get_rng_state())
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+net, traced = Net(), Traced()
+net_opt, traced_opt = train(net), train(traced)
+traced.eval()  # a mode that must survive the trace, which runs in training mode
+before = {"net": snapshot(net, net_opt), "traced": snapshot(traced, traced_opt)}
+"""
+
+
+@pytest.fixture(scope="module")
+def notebook(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kernel-tmp")
+    with running_kernel("gpu-python", env={**os.environ, "TMPDIR": str(tmp)}) as (km, kc):
+        reply, _ = execute(kc, NOTEBOOK, timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        yield kc, tmp
+
+
+@pytest.mark.parametrize("variable, method", [("net", "script"), ("traced", "trace")])
+def test_a_notebook_module_is_exported_validated_and_left_untouched(notebook, variable, method):
+    kc, tmp = notebook
+    reply, outputs = execute(kc, f"%maxbatch {variable} --input 3x16x16", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    text = stream_text(outputs)
+    assert f"saved as TorchScript by torch.jit.{method}" in text, text
+    assert "one training step of batch 1 ran on the CPU with input [3, 16, 16]" in text, text
+    opt = f"{variable}_opt"
+    reply, outputs = execute(
+        kc, f"print(same(before[{variable!r}], snapshot({variable}, {opt})))", timeout=60)
+    assert stream_text(outputs).strip() == "True", outputs
+    assert list(tmp.glob("gpukernel-maxbatch-*")) == [], "the private TorchScript file was left"
+
+
+def test_an_unscriptable_module_needs_an_input_shape(notebook):
+    kc, tmp = notebook
+    reply, _ = execute(kc, "%maxbatch traced", timeout=60)
+    assert reply["content"]["status"] == "error"
+    assert "pass --input SHAPE so it can be traced" in reply["content"]["evalue"]
+    assert list(tmp.glob("gpukernel-maxbatch-*")) == []
+
+
+@pytest.mark.parametrize("cell, expected", [
+    ("%maxbatch nosuch", "'nosuch' is not defined in this notebook"),
+    ("%maxbatch before", "before is a dict, not a torch.nn.Module"),
+    ("%maxbatch net.nosuch", "has no attribute 'nosuch'"),
+    ("%maxbatch net()", "nor a notebook variable"),
+])
+def test_notebook_variable_errors_name_the_problem(notebook, cell, expected):
+    kc, _ = notebook
+    reply, _ = execute(kc, cell, timeout=60)
+    assert reply["content"]["status"] == "error"
+    assert expected in reply["content"]["evalue"], reply["content"]["evalue"]
+
+
+def test_the_export_file_is_private(tmp_path, monkeypatch):
+    """export_module.py on its own: the file it hands over is 0600 and loads with torch."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("export_module", EXPORT_MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    result = module.export({"m": torch.nn.Linear(4, 2)}, "m", None, None)
+    path = Path(result["path"])
+    assert path.parent == tmp_path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert result["method"] == "script" and result["parameters"] == 10
+    assert torch.jit.load(str(path))(torch.ones(1, 4)).shape == (1, 2)
+
+
+def test_amp_and_dtype_do_not_combine(magics):
+    km, kc = magics
+    reply, _ = execute(kc, "%maxbatch resnet18 --amp bf16 --dtype fp16")
+    assert reply["content"]["status"] == "error"
+    assert "cannot be used with" in reply["content"]["evalue"], reply["content"]["evalue"]
+
+
+def test_amp_validates_on_cpu(magics):
+    km, kc = magics
+    reply, outputs = execute(kc, "%maxbatch resnet18 --input 3x32x32 --amp bf16", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert "one training step of batch 1 ran on the CPU" in stream_text(outputs)
 
 
 def test_gpumem_shows_gpukernel_allocator_once_libtorch_is_loaded():

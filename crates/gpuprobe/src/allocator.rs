@@ -74,8 +74,7 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn gpa_try_allocate(device: i32, bytes: u64, err: *mut c_char, err_len: usize) -> c_int;
-    fn gpa_autocast(cuda: i32, enabled: i32, bf16: i32, err: *mut c_char, err_len: usize)
-        -> c_int;
+    fn gpa_autocast(cuda: i32, enabled: i32, bf16: i32, err: *mut c_char, err_len: usize) -> c_int;
     #[cfg(test)]
     fn gpa_selftest_throw(what: i32, err: *mut c_char, err_len: usize) -> c_int;
 }

@@ -135,6 +135,13 @@ impl Trainer {
                 if dtype != Kind::Float {
                     module.to(device, dtype, false);
                 }
+                // A module saved in eval mode would otherwise skip dropout and keep BatchNorm's
+                // statistics fixed: training steps must run as training does.
+                if request.inference {
+                    module.set_eval();
+                } else {
+                    module.set_train();
+                }
                 let input = request
                     .input
                     .clone()

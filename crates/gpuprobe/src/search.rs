@@ -548,7 +548,10 @@ mod tests {
                     .unwrap();
                 let found = result.max_fit.unwrap();
                 let what = format!("{capacity} B, {overhead} overhead: {result:?}");
-                assert!(found <= truth && (truth - found) as f64 <= 0.01 * truth as f64, "{what}");
+                assert!(
+                    found <= truth && (truth - found) as f64 <= 0.01 * truth as f64,
+                    "{what}"
+                );
                 assert!(result.settled && result.trials.len() <= 6, "{what}");
             }
         }

@@ -1,7 +1,10 @@
 //! `%maxbatch MODEL`: the largest batch whose full training step fits, found in a few real
 //! steps in-process with libtorch (through `libgpuprobe_torch.so`), with a safe recommendation
 //! and a chart. Parsing and presentation live here; the steps and the search in gpuprobe.
+//! MODEL may name a module of the notebook (gpu-python kernel): the Python kernel saves it as
+//! TorchScript in a private file, which is removed once the search is done.
 
+use super::python::{is_variable_name, ExportedModule};
 use super::{parse_args, Magic, MagicContext, MagicError};
 use clap::{CommandFactory, Parser, ValueEnum};
 use gpuprobe::plugin_api::{
@@ -11,6 +14,12 @@ use gpuprobe::plugin_api::{
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub(super) enum Dtype {
     Fp32,
+    Fp16,
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub(super) enum Amp {
     Fp16,
     Bf16,
 }
@@ -28,8 +37,8 @@ pub(super) enum Optimizer {
 #[derive(Parser, Debug)]
 #[command(name = "%maxbatch", disable_version_flag = true)]
 pub(super) struct Args {
-    /// A built-in architecture (resnet50, vgg16, densenet121, efficientnet_b0, ...) or the
-    /// path of a TorchScript file.
+    /// A built-in architecture (resnet50, vgg16, densenet121, efficientnet_b0, ...), the path
+    /// of a TorchScript file, or (gpu-python kernel) a variable holding a torch.nn.Module.
     pub(super) model: String,
     /// Shape of one sample, e.g. 3x224x224 (default: the built-in's usual input).
     #[arg(long, value_name = "SHAPE", value_parser = parse_shape)]
@@ -40,6 +49,9 @@ pub(super) struct Args {
     /// Precision of parameters and inputs.
     #[arg(long, value_enum, default_value = "fp32")]
     pub(super) dtype: Dtype,
+    /// Mixed precision: fp32 weights and optimizer state, the forward pass autocast.
+    #[arg(long, value_enum, conflicts_with = "dtype")]
+    pub(super) amp: Option<Amp>,
     /// Optimizer whose state is allocated by a real step.
     #[arg(long, value_enum, default_value = "adam")]
     pub(super) optimizer: Optimizer,
@@ -58,6 +70,12 @@ pub(super) struct Args {
     /// Largest batch worth trying.
     #[arg(long, value_name = "N", default_value_t = 65536)]
     pub(super) max: u64,
+    /// Search to the exact sample instead of within 1% (a few more trials near the limit).
+    #[arg(long)]
+    pub(super) exact: bool,
+    /// Also time training at batch sizes up to the recommendation and recommend the fastest.
+    #[arg(long)]
+    pub(super) throughput: bool,
     /// Return the result as JSON (the cell's value).
     #[arg(long)]
     pub(super) json: bool,
@@ -130,7 +148,7 @@ impl Magic for MaxBatch {
         let Some(args) = parse_args::<Args>(argv, ctx)? else {
             return Ok(());
         };
-        let model = model_source(&args, ctx)?;
+        let (model, exported) = model_source(&args, ctx)?;
         let request = MaxBatchRequest {
             model,
             input: args.input.clone().map(|s| s.0),
@@ -140,6 +158,10 @@ impl Magic for MaxBatch {
                 Dtype::Fp16 => Some(Precision::Fp16),
                 Dtype::Bf16 => Some(Precision::Bf16),
             },
+            amp: args.amp.map(|a| match a {
+                Amp::Fp16 => Precision::Fp16,
+                Amp::Bf16 => Precision::Bf16,
+            }),
             optimizer: match args.optimizer {
                 Optimizer::None => OptimizerKind::None,
                 Optimizer::Sgd => OptimizerKind::Sgd,
@@ -151,38 +173,76 @@ impl Magic for MaxBatch {
             limit: args.limit,
             max_batch: args.max.max(1),
             max_trials: 12,
+            tolerance: if args.exact { 0.0 } else { TOLERANCE },
             baseline_search: false,
         };
-        run_search(&args, &request, ctx)
+        let result = run_search(&args, &request, exported.as_ref(), ctx);
+        drop(exported); // the private TorchScript file goes now, whatever happened
+        result
     }
 }
 
-fn model_source(args: &Args, ctx: &MagicContext) -> Result<ModelSource, MagicError> {
+/// How close to the true maximum the search goes by default: the recommendation takes a
+/// margin of several percent off anyway, and each trial near the limit is the slowest.
+const TOLERANCE: f64 = 0.01;
+
+/// A module exported from the notebook: its private TorchScript file, removed on drop.
+pub(super) struct Exported {
+    pub(super) module: ExportedModule,
+}
+
+impl Drop for Exported {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.module.path);
+    }
+}
+
+fn model_source(
+    args: &Args,
+    ctx: &MagicContext,
+) -> Result<(ModelSource, Option<Exported>), MagicError> {
     if BUILTIN_MODELS.contains(&args.model.as_str()) {
-        return Ok(ModelSource::Builtin {
-            name: args.model.clone(),
-        });
+        let name = args.model.clone();
+        return Ok((ModelSource::Builtin { name }, None));
     }
     if std::path::Path::new(&args.model).is_file() {
-        return Ok(ModelSource::TorchScript {
-            path: args.model.clone(),
-        });
+        let path = args.model.clone();
+        return Ok((ModelSource::TorchScript { path }, None));
     }
-    let python_hint = if ctx.python.is_some() {
-        " To size a model from this notebook, save it as TorchScript first \
-         (torch.jit.script(model).save('model.pt')) and pass the path."
-    } else {
-        ""
-    };
-    Err(MagicError::usage(format!(
-        "%maxbatch: {:?} is neither a built-in model nor a TorchScript file. Built-ins: {}.{python_hint}",
-        args.model,
-        BUILTIN_MODELS.join(", ")
-    )))
+    match ctx.python {
+        Some(python) if is_variable_name(&args.model) => {
+            let input = args.input.as_ref().map(|s| s.0.as_slice());
+            let module = python
+                .export_module(&args.model, input, args.vocab, !args.inference)
+                .map_err(|e| {
+                    MagicError::usage(format!(
+                        "%maxbatch: could not take the model from {:?}: {e}",
+                        args.model
+                    ))
+                })?;
+            let path = module.path.clone();
+            Ok((ModelSource::TorchScript { path }, Some(Exported { module })))
+        }
+        _ => Err(MagicError::usage(format!(
+            "%maxbatch: {:?} is neither a built-in model nor a TorchScript file{}. Built-ins: {}.",
+            args.model,
+            if ctx.python.is_some() {
+                " nor a notebook variable"
+            } else {
+                " (notebook variables work in the gpu-python kernel)"
+            },
+            BUILTIN_MODELS.join(", ")
+        ))),
+    }
 }
 
 #[cfg(not(feature = "torch"))]
-fn run_search(_: &Args, _: &MaxBatchRequest, _: &MagicContext) -> Result<(), MagicError> {
+fn run_search(
+    _: &Args,
+    _: &MaxBatchRequest,
+    _: Option<&Exported>,
+    _: &MagicContext,
+) -> Result<(), MagicError> {
     Err(MagicError::new(
         "NoLibtorch",
         "this build of gpukernel has no libtorch: %maxbatch needs gpukernel built with \
@@ -194,15 +254,20 @@ fn run_search(_: &Args, _: &MaxBatchRequest, _: &MagicContext) -> Result<(), Mag
 fn run_search(
     args: &Args,
     request: &MaxBatchRequest,
+    exported: Option<&Exported>,
     ctx: &MagicContext,
 ) -> Result<(), MagicError> {
+    use super::maxbatch_report::{self, throughput_candidates, Throughput, THROUGHPUT_STEPS};
     use super::Output;
-    use gpuprobe::plugin_api::{MaxBatchReport, Request};
+    use gpuprobe::plugin_api::{MaxBatchReport, Request, ThroughputPoint};
     use serde_json::{json, Value};
     let failed =
         |e: crate::torch_plugin::PluginError| MagicError::new("MaxBatchError", e.to_string());
     let plugin = crate::torch_plugin::plugin().map_err(failed)?;
     let info = plugin.request(&Request::Info).map_err(failed)?;
+    if let Some(e) = exported {
+        ctx.stdout(maxbatch_report::exported_line(&args.model, &e.module));
+    }
     if info["cuda_available"] != Value::Bool(true) {
         let said = plugin
             .request(&Request::ValidateOnCpu(request.clone()))
@@ -215,19 +280,19 @@ fn run_search(
         return Ok(());
     }
     let display_id = format!("maxbatch-{}", uuid::Uuid::new_v4());
-    let trials = std::sync::Mutex::new(Vec::<Value>::new());
+    let events = std::sync::Mutex::new(Vec::<Value>::new());
     ctx.out.emit(Output::Display {
-        data: super::maxbatch_report::progress(&[]),
+        data: maxbatch_report::progress(&[]),
         display_id: Some(display_id.clone()),
     });
     let mut on_event = |event: &str| -> bool {
         if let Ok(event) = serde_json::from_str::<Value>(event) {
-            let mut trials = trials
+            let mut events = events
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            trials.push(event);
+            events.push(event);
             ctx.out.emit(Output::Update {
-                data: super::maxbatch_report::progress(&trials),
+                data: maxbatch_report::progress(&events),
                 display_id: display_id.clone(),
             });
         }
@@ -241,7 +306,37 @@ fn run_search(
     if report.search["stopped"] == json!("cancelled") {
         return Err(MagicError::interrupted());
     }
-    let data = super::maxbatch_report::summary(args, &report);
+    let max = report.search["max_fit"].as_u64();
+    let throughput = match max {
+        Some(max) if args.throughput => {
+            let recommended = gpuprobe::search::recommend(max, args.margin / 100.0);
+            let batches = throughput_candidates(recommended);
+            let points = plugin
+                .call(
+                    &Request::Throughput {
+                        setup: request.clone(),
+                        batches,
+                        steps: THROUGHPUT_STEPS,
+                    },
+                    &mut on_event,
+                )
+                .map_err(failed)?;
+            if ctx.cancel.is_cancelled() {
+                return Err(MagicError::interrupted());
+            }
+            let points: Vec<ThroughputPoint> = serde_json::from_value(points).map_err(|e| {
+                MagicError::new("MaxBatchError", format!("unreadable timings: {e}"))
+            })?;
+            Some(Throughput::from_points(points))
+        }
+        _ => None,
+    };
+    let data = maxbatch_report::summary(
+        args,
+        &report,
+        exported.map(|e| &e.module),
+        throughput.as_ref(),
+    );
     ctx.out.emit(Output::value_or_display(data, args.json));
     Ok(())
 }

@@ -3,7 +3,8 @@
 
 use super::link::ChildLink;
 use crate::magics::python::{
-    parse_torch_state, PythonKernel, TorchState, EMPTY_CACHE_CODE, TORCH_STATE_EXPR,
+    export_module_expression, parse_exported_module, parse_torch_state, ExportedModule,
+    PythonKernel, TorchState, EMPTY_CACHE_CODE, TORCH_STATE_EXPR,
 };
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -37,6 +38,18 @@ pub async fn evaluate(link: &ChildLink, expression: &str) -> Result<String, Stri
 impl PythonKernel for ChildPython {
     fn pid(&self) -> u32 {
         self.pid
+    }
+
+    fn export_module(
+        &self,
+        name: &str,
+        input: Option<&[i64]>,
+        vocab: Option<i64>,
+        train: bool,
+    ) -> Result<ExportedModule, String> {
+        let expression = export_module_expression(name, input, vocab, train);
+        let text = self.runtime.block_on(evaluate(&self.link, &expression))?;
+        parse_exported_module(&text)
     }
 
     fn torch(&self) -> Result<TorchState, String> {

@@ -1,0 +1,71 @@
+"""%maxbatch VARIABLE: a torch.nn.Module of the notebook, saved as TorchScript for gpukernel.
+
+gpukernel runs this in the Python kernel through a silent user_expression, in a namespace of
+its own, so the notebook gains no names and no history. The module is left exactly as it was:
+scripting only compiles it; tracing runs one forward pass, so buffers (BatchNorm statistics),
+the random number generators and training flags are put back afterwards; nothing touches
+parameters, gradients or optimizers. The file is private (mkstemp: 0600) and gpukernel removes
+it once it has loaded it.
+"""
+
+
+def export(user_ns, name, shape, vocab, train=True):
+    import os
+    import sys
+    import tempfile
+
+    torch = sys.modules.get("torch")
+    parts = name.split(".")
+    if parts[0] not in user_ns:
+        raise NameError(f"{parts[0]!r} is not defined in this notebook")
+    obj = user_ns[parts[0]]
+    for part in parts[1:]:
+        obj = getattr(obj, part)
+    if torch is None or not isinstance(obj, torch.nn.Module):
+        raise TypeError(f"{name} is a {type(obj).__name__}, not a torch.nn.Module")
+    fd, path = tempfile.mkstemp(prefix="gpukernel-maxbatch-", suffix=".pt")
+    os.close(fd)
+    try:
+        try:
+            module, method = torch.jit.script(obj), "script"
+        except Exception as err:  # TorchScript rejects much of Python: fall back to tracing
+            if shape is None:
+                first = str(err).strip().splitlines()[:1]
+                raise ValueError(
+                    f"torch.jit.script cannot compile {name} ({type(err).__name__}: "
+                    f"{first[0] if first else ''}); pass --input SHAPE so it can be traced "
+                    "instead") from None
+            module, method = _trace(torch, obj, shape, vocab, train), "trace"
+        module.save(path)
+    except BaseException:
+        os.unlink(path)
+        raise
+    return {"path": path, "method": method, "training": obj.training,
+            "parameters": sum(p.numel() for p in obj.parameters())}
+
+
+def _trace(torch, module, shape, vocab, train):
+    param = next(module.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    modes = [(m, m.training) for m in module.modules()]
+    cpu_rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    size = (2, *shape)  # two samples: BatchNorm refuses one in training mode
+    try:
+        example = (torch.randint(0, vocab, size, device=device) if vocab
+                   else torch.randn(size, device=device, dtype=dtype))
+        # Traced in the mode the trials run in (a trace records one mode's graph).
+        module.train(train)
+        with torch.no_grad():
+            return torch.jit.trace(module, example, check_trace=False)
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+        for m, training in modes:
+            m.training = training
+        torch.random.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
