@@ -126,6 +126,19 @@ pub struct UpArgs {
     /// Seconds to wait for Jupyter to answer /api/status once launched.
     #[arg(long, value_name = "SECS", default_value_t = 90)]
     pub timeout: u64,
+
+    /// HOST is a SLURM login node: submit a job with these sbatch options
+    /// (e.g. "-p gpu --gres=gpu:1 --time=02:00:00"), wait for it to run,
+    /// start Jupyter inside it on its node and forward it through the login
+    /// node (ssh to the node as one more hop). Ctrl-C or `tunnel down`
+    /// cancels the job.
+    #[arg(
+        long,
+        value_name = "SBATCH ARGS",
+        allow_hyphen_values = true,
+        conflicts_with = "detach"
+    )]
+    pub slurm: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -222,6 +235,21 @@ mod tests {
         assert_eq!(up.app, App::Notebook);
         assert_eq!(up.linger, 5);
         assert!(up.no_browser && up.accept_new);
+        assert_eq!(up.slurm, None);
+    }
+
+    #[test]
+    fn slurm_takes_sbatch_options_as_one_value() {
+        let cli = Cli::try_parse_from(["tunnel", "up", "login", "--slurm", "-p gpu --gres=gpu:1"])
+            .expect("valid command line");
+        let Command::Up(up) = cli.command else {
+            panic!("expected up");
+        };
+        assert_eq!(up.slurm.as_deref(), Some("-p gpu --gres=gpu:1"));
+        assert!(
+            Cli::try_parse_from(["tunnel", "up", "login", "--slurm", "", "--detach"]).is_err(),
+            "--detach cannot apply to a job step"
+        );
     }
 
     #[test]

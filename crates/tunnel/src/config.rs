@@ -414,6 +414,40 @@ pub fn resolve_in(
     })
 }
 
+/// The SSH target for a SLURM compute node reached through the login node
+/// `login` (`tunnel up --slurm`). A node with its own `Host` block is resolved
+/// as any host, except that it is logged into as the login node's user when
+/// the block names no User (cluster accounts are the same on every node).
+/// A node the config does not name inherits the login node's settings (keys,
+/// known hosts, timeouts) with port 22: that is what `ssh node` typed on the
+/// login node would use, and nodes rarely appear in a laptop's config.
+pub fn resolve_node(
+    config: &SshConfig,
+    node: &str,
+    local: &LocalUser,
+    login: &Target,
+) -> Result<Target, ConfigError> {
+    let alias = node.to_ascii_lowercase();
+    let mut target = resolve_in(config, &alias, local)?;
+    if !target.configured {
+        return Ok(Target {
+            alias: alias.clone(),
+            host_name: alias,
+            port: 22,
+            configured: false,
+            host_key_alias: None,
+            proxy_jump: Vec::new(),
+            ..login.clone()
+        });
+    }
+    if config.query(&alias).user.is_none() {
+        target.user = login.user.clone();
+    }
+    // The node is always reached through the login node.
+    target.proxy_jump.clear();
+    Ok(target)
+}
+
 /// ProxyJump/`-J` values: comma-separated hops; `none` means no jump.
 pub fn jump_list<S: AsRef<str>>(values: &[S]) -> Vec<String> {
     let hops: Vec<String> = values
@@ -815,6 +849,40 @@ Host *
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn slurm_nodes_resolve_through_their_block_or_inherit_the_login_node() {
+        let cfg = parse(
+            "Host login\n  HostName login.hpc.example\n  User a123\n  Port 2222\n  \
+             IdentityFile ~/.ssh/hpc\n  ProxyJump gate\n\
+             Host gpu*\n  Port 2200\n  ProxyJump elsewhere\n\
+             Host cpu7\n  User other\n  HostName 10.0.0.7\n",
+        );
+        let login = resolve_in(&cfg, "login", &local()).expect("resolves");
+        // Not in the config: the login node's user and keys, port 22, no jumps.
+        let n = resolve_node(&cfg, "node042", &local(), &login).expect("resolves");
+        assert_eq!(
+            (
+                n.alias.as_str(),
+                n.host_name.as_str(),
+                n.port,
+                n.user.as_str()
+            ),
+            ("node042", "node042", 22, "a123")
+        );
+        assert_eq!(n.identity_files, login.identity_files);
+        assert!(n.proxy_jump.is_empty());
+        // A block without User: its options, the login node's user, still no jumps.
+        let n = resolve_node(&cfg, "gpu01", &local(), &login).expect("resolves");
+        assert_eq!((n.port, n.user.as_str()), (2200, "a123"));
+        assert!(n.proxy_jump.is_empty());
+        // A block with its own User wins.
+        let n = resolve_node(&cfg, "CPU7", &local(), &login).expect("resolves");
+        assert_eq!(
+            (n.host_name.as_str(), n.user.as_str()),
+            ("10.0.0.7", "other")
+        );
     }
 
     #[test]

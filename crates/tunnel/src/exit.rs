@@ -25,11 +25,12 @@ pub enum Exit {
     NoTunnel,
     AlreadyRunning,
     RemoteSetup,
+    Slurm,
     Interrupted,
 }
 
 impl Exit {
-    pub const ALL: [Exit; 19] = [
+    pub const ALL: [Exit; 20] = [
         Exit::Ok,
         Exit::Internal,
         Exit::Usage,
@@ -48,6 +49,7 @@ impl Exit {
         Exit::NoTunnel,
         Exit::AlreadyRunning,
         Exit::RemoteSetup,
+        Exit::Slurm,
         Exit::Interrupted,
     ];
 
@@ -72,6 +74,7 @@ impl Exit {
             Exit::NoTunnel => 15,
             Exit::AlreadyRunning => 16,
             Exit::RemoteSetup => 17,
+            Exit::Slurm => 18,
             // 128 + SIGINT, as shells report it.
             Exit::Interrupted => 130,
         }
@@ -111,6 +114,7 @@ Exit codes:
    15  no tunnel for that host (down/status)
    16  a tunnel to that host is already running
    17  remote setup failed (--env, --init, --dir or the runtime directory)
+   18  --slurm: sbatch refused the job (its message is shown), or the job ended early
   130  interrupted (Ctrl-C/SIGTERM) before the tunnel was ready";
 
 #[cfg(test)]

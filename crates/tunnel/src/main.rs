@@ -16,6 +16,7 @@ mod prompt;
 mod remote;
 mod route;
 mod signals;
+mod slurm;
 mod state;
 mod token;
 mod up;

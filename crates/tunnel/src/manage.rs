@@ -184,6 +184,9 @@ struct Shown<'a> {
     state: &'a TunnelState,
     alive: bool,
     uptime_secs: u64,
+    /// Seconds before the SLURM job's time limit (--slurm, once it runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    slurm_time_left_secs: Option<u64>,
 }
 
 fn shown(st: &TunnelState) -> Shown<'_> {
@@ -195,6 +198,11 @@ fn shown(st: &TunnelState) -> Shown<'_> {
         state: st,
         alive: state::is_alive(st.pid),
         uptime_secs: now.saturating_sub(st.started_at),
+        slurm_time_left_secs: st
+            .slurm
+            .as_ref()
+            .and_then(|j| j.ends_at)
+            .map(|end| end.saturating_sub(now)),
     }
 }
 
@@ -204,6 +212,24 @@ fn phase_text(s: &Shown<'_>) -> &'static str {
         (true, Phase::Starting) => "starting",
         (true, Phase::Ready) => "ready",
     }
+}
+
+/// `job 12 RUNNING on gpu01, time left 1h59m` / `job 12 PENDING (Resources)`.
+fn job_text(job: &state::SlurmJob, time_left: Option<u64>) -> String {
+    let mut s = format!("job {} {}", job.job_id, job.state);
+    if let Some(r) = &job.reason {
+        s.push_str(&format!(" ({r})"));
+    }
+    if let Some(n) = &job.node {
+        s.push_str(&format!(" on {n}"));
+    }
+    if let Some(left) = time_left {
+        s.push_str(&format!(
+            ", time left {}",
+            crate::slurm::duration_text(left)
+        ));
+    }
+    s
 }
 
 fn uptime(secs: u64) -> String {
@@ -293,6 +319,9 @@ pub fn status(args: StatusArgs) -> Result<(), ManageError> {
             remote.push_str(&format!(", runtime dir {d}"));
         }
         out!("  remote:  {remote}");
+        if let Some(job) = &st.slurm {
+            out!("  slurm:   {}", job_text(job, s.slurm_time_left_secs));
+        }
     }
     Ok(())
 }

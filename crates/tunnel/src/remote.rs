@@ -7,6 +7,9 @@
 //! lines are commands ("stop"); EOF means the client is gone, and the remote
 //! stops Jupyter after the linger time.
 
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
 use russh::client::Msg;
 use russh::{ChannelMsg, ChannelWriteHalf};
 use tokio::sync::mpsc;
@@ -28,6 +31,10 @@ const SESSION: &str = include_str!("remote/session.sh");
 /// line back into the multi-line stage-1 script.
 pub const EXEC_COMMAND: &str = r#"exec /bin/sh -c 'IFS= read -r s && eval "$(printf %b "$s")"'"#;
 
+/// The part of [`EXEC_COMMAND`] that `/bin/sh -c` runs: read a script from
+/// the first stdin line and run it. Also what a SLURM job step runs.
+pub const STDIN_SCRIPT: &str = r#"IFS= read -r s && eval "$(printf %b "$s")""#;
+
 const PREFIX: &str = "tunnel-remote: ";
 
 /// What to start on the remote.
@@ -41,6 +48,10 @@ pub struct LaunchSpec {
     pub port_hint: u16,
     pub linger_secs: u64,
     pub timeout_secs: u64,
+    /// Inside a SLURM job step (`tunnel up --slurm`): the launcher records
+    /// its pid for the job's batch script, and stops Jupyter as soon as the
+    /// client's stdin ends (a job step cannot be reattached).
+    pub slurm: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -123,7 +134,7 @@ pub enum Event {
 }
 
 /// Single-quote for sh.
-fn sh_quote(s: &str) -> String {
+pub fn sh_quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
 }
 
@@ -142,7 +153,8 @@ fn stage1_with(spec: &LaunchSpec, main: &str) -> String {
     let opt = |o: &Option<String>| sh_quote(o.as_deref().unwrap_or(""));
     let script = format!(
         "TUNNEL_MAIN={main}\nTUNNEL_INIT={init}\nTUNNEL_ENV={env}\nTUNNEL_DIR={dir}\n\
-         TUNNEL_APP={app}\nTUNNEL_PORT={port}\nTUNNEL_LINGER={linger}\nTUNNEL_TIMEOUT={timeout}\n{boot}",
+         TUNNEL_APP={app}\nTUNNEL_PORT={port}\nTUNNEL_LINGER={linger}\nTUNNEL_TIMEOUT={timeout}\n\
+         TUNNEL_SLURM={slurm}\n{boot}",
         main = sh_quote(main),
         init = opt(&spec.init),
         env = opt(&spec.env),
@@ -151,6 +163,7 @@ fn stage1_with(spec: &LaunchSpec, main: &str) -> String {
         port = spec.port_hint,
         linger = spec.linger_secs,
         timeout = spec.timeout_secs,
+        slurm = if spec.slurm { "1" } else { "" },
         boot = BOOTSTRAP,
     );
     escape_line(&script)
@@ -171,7 +184,7 @@ pub fn attach_line(runtime_dir: &str) -> String {
 }
 
 /// Escape a script onto one line, as `printf %b` decodes it.
-fn escape_line(script: &str) -> String {
+pub fn escape_line(script: &str) -> String {
     let mut line = script.replace('\\', r"\\").replace('\n', r"\n");
     line.push('\n');
     line
@@ -221,10 +234,16 @@ pub fn error_from(kind: &str, message: String, log: Vec<String>) -> RemoteError 
     }
 }
 
+/// How many stderr lines of the remote command are kept for error messages.
+const STDERR_TAIL: usize = 20;
+
 /// The running launcher: send commands, receive events.
 pub struct Launcher {
     writer: ChannelWriteHalf<Msg>,
     pub events: mpsc::Receiver<Event>,
+    /// The last lines the remote command wrote on stderr: what `srun` (or a
+    /// shell) said when it failed before the launcher could say anything.
+    stderr: Arc<Mutex<VecDeque<String>>>,
 }
 
 impl Launcher {
@@ -234,7 +253,22 @@ impl Launcher {
         spec: &LaunchSpec,
         token: &Token,
     ) -> Result<Self, RemoteError> {
-        let mut stdin = stage1_line(spec).into_bytes();
+        Self::start_via(handle, None, spec, token).await
+    }
+
+    /// [`Launcher::start`] through `wrapper`: a script (run by `/bin/sh` on
+    /// the host) that ends by handing its stdin to a command that runs the
+    /// launcher elsewhere, as `srun ... /bin/sh -c '<EXEC_COMMAND's reader>'`
+    /// does for a SLURM job step. The launcher and token lines follow it on
+    /// stdin, so they travel to the step without touching a command line.
+    pub async fn start_via(
+        handle: &Handle,
+        wrapper: Option<&str>,
+        spec: &LaunchSpec,
+        token: &Token,
+    ) -> Result<Self, RemoteError> {
+        let mut stdin = wrapper.map(escape_line).unwrap_or_default().into_bytes();
+        stdin.extend_from_slice(stage1_line(spec).as_bytes());
         stdin.extend_from_slice(token.expose().as_bytes());
         stdin.push(b'\n');
         Self::open(handle, &stdin).await
@@ -267,6 +301,8 @@ impl Launcher {
         writer.data(stdin).await.map_err(RemoteError::Channel)?;
 
         let (tx, events) = mpsc::channel(64);
+        let stderr = Arc::new(Mutex::new(VecDeque::new()));
+        let stderr_tail = stderr.clone();
         tokio::spawn(async move {
             let mut partial = Vec::new();
             let mut err_partial = Vec::new();
@@ -288,6 +324,12 @@ impl Launcher {
                     ChannelMsg::ExtendedData { data, .. } => {
                         for line in split_lines(&mut err_partial, &data) {
                             tracing::debug!("remote stderr: {line}");
+                            if let Ok(mut tail) = stderr_tail.lock() {
+                                if tail.len() == STDERR_TAIL {
+                                    tail.pop_front();
+                                }
+                                tail.push_back(line);
+                            }
                         }
                     }
                     ChannelMsg::ExitStatus { exit_status } => {
@@ -302,7 +344,19 @@ impl Launcher {
             }
             let _ = tx.send(Event::Closed).await;
         });
-        Ok(Launcher { writer, events })
+        Ok(Launcher {
+            writer,
+            events,
+            stderr,
+        })
+    }
+
+    /// What the remote command last wrote on stderr (oldest first).
+    pub fn stderr_tail(&self) -> Vec<String> {
+        self.stderr
+            .lock()
+            .map(|t| t.iter().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// Ask the launcher to stop Jupyter and clean up.
@@ -351,6 +405,7 @@ mod tests {
             port_hint: 23456,
             linger_secs: 5,
             timeout_secs: 30,
+            slurm: false,
         }
     }
 

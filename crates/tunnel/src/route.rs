@@ -51,6 +51,26 @@ impl RouteError {
     }
 }
 
+/// An authenticated session with `target` through the session `via` (whose
+/// alias is `via_alias`): the compute node of a SLURM job, reached through
+/// the login node. The node's own host key and credentials are checked, as
+/// for any hop; the returned session keeps `via` alive.
+pub async fn open_through(
+    via: Arc<Handle>,
+    via_alias: &str,
+    target: &Target,
+    accept_new: bool,
+) -> Result<Handle, RouteError> {
+    let policy = HostKeyPolicy::for_target(target, accept_new);
+    let mut handle = connect::connect_via(vec![via], via_alias, target, policy)
+        .await
+        .map_err(|source| RouteError::Connect { hop: None, source })?;
+    auth::authenticate(&mut handle, target)
+        .await
+        .map_err(|source| RouteError::Auth { hop: None, source })?;
+    Ok(handle)
+}
+
 /// A step of [`open_reporting`] that succeeded, for `tunnel doctor`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Passed {

@@ -68,6 +68,28 @@ pub struct TunnelState {
     pub url: Option<String>,
     pub remote_runtime_dir: Option<String>,
     pub remote_pid: Option<u32>,
+    /// The SLURM job Jupyter runs in (`up --slurm`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slurm: Option<SlurmJob>,
+}
+
+/// A `tunnel up --slurm` job as last seen by squeue. Kept up to date while
+/// it is pending; once it runs it stays RUNNING for as long as the tunnel is
+/// up (the tunnel ends with the job), and its end time does not move.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SlurmJob {
+    pub job_id: String,
+    /// PENDING, RUNNING, ...
+    pub state: String,
+    /// Why it is pending (Resources, Priority, ...).
+    #[serde(default)]
+    pub reason: Option<String>,
+    /// The node Jupyter runs on.
+    #[serde(default)]
+    pub node: Option<String>,
+    /// Unix seconds at which the time limit ends it, from squeue's time left.
+    #[serde(default)]
+    pub ends_at: Option<u64>,
 }
 
 pub fn dir() -> Result<PathBuf, StateError> {

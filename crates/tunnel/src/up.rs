@@ -15,7 +15,8 @@ use crate::probe::{self, ProbeError};
 use crate::remote::{self, Event, LaunchSpec, Launcher, RemoteError};
 use crate::route::{self, RouteError};
 use crate::signals::Interrupts;
-use crate::state::{Phase, ServerRecord, StateError, StateFile, TunnelState};
+use crate::slurm::{self, SlurmError, Waited};
+use crate::state::{Phase, ServerRecord, SlurmJob, StateError, StateFile, TunnelState};
 use crate::token::Token;
 use tokio::sync::watch;
 
@@ -47,6 +48,8 @@ pub enum UpError {
     Probe(#[from] ProbeError),
     #[error(transparent)]
     State(#[from] StateError),
+    #[error(transparent)]
+    Slurm(#[from] SlurmError),
     #[error("interrupted ({0}) before the tunnel was ready")]
     Interrupted(&'static str),
     #[error("timed out after {0}s waiting for Jupyter on the remote to start")]
@@ -85,6 +88,7 @@ impl HasExit for UpError {
             UpError::Forward(e) => e.exit(),
             UpError::Probe(e) => e.exit(),
             UpError::State(e) => e.exit(),
+            UpError::Slurm(e) => e.exit(),
             UpError::Interrupted(_) => Exit::Interrupted,
             UpError::Timeout(_) => Exit::Timeout,
             UpError::ConnectionLost { .. } => Exit::ConnectionLost,
@@ -137,6 +141,8 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
     };
     tracing::debug!("resolved {route:?}");
     let host_key = args.host.to_ascii_lowercase();
+    // Bad quoting in --slurm is a usage error: found before connecting.
+    let sbatch = args.slurm.as_deref().map(slurm::sbatch_args).transpose()?;
 
     let mut state = StateFile::claim(TunnelState {
         host: host_key.clone(),
@@ -152,9 +158,14 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
         url: None,
         remote_runtime_dir: None,
         remote_pid: None,
+        slurm: None,
     })?;
-    // Claimed: no other `up` for this host runs, so the record is ours.
-    let detached = ServerRecord::load(&host_key)?;
+    // Claimed: no other `up` for this host runs, so the record is ours. A
+    // job step is never detached, so --slurm never reattaches.
+    let detached = match sbatch {
+        Some(_) => None,
+        None => ServerRecord::load(&host_key)?,
+    };
 
     // An explicit --port that is busy must fail before anything starts remotely.
     let early_listener = match args.port {
@@ -179,6 +190,18 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
     }
     let handle = open_session(&route, args.accept_new, &mut signals).await?;
     tracing::debug!("authenticated after {:.2}s", t0.elapsed().as_secs_f64());
+
+    if let Some(sbatch) = sbatch {
+        let cx = JobContext {
+            args: &args,
+            target: &target,
+            route: &route,
+            ssh_config: &ssh_config,
+            local: &local,
+            login: handle,
+        };
+        return slurm_up(&cx, &sbatch, &mut state, early_listener, &mut signals, t0).await;
+    }
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout + 5);
     let mut remote = None;
@@ -220,6 +243,7 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
                 port_hint: args.port.unwrap_or(PORT_HINT),
                 linger_secs: args.linger,
                 timeout_secs: args.timeout,
+                slurm: false,
             };
             tracing::info!(
                 "starting jupyter {} on {}",
@@ -252,6 +276,7 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
         route: &route,
         handle,
         session: session_tx,
+        node: None,
     };
     let result = serve(
         &mut link,
@@ -309,6 +334,10 @@ struct Link<'a> {
     handle: Arc<Handle>,
     /// Publishes the current session to the forwarder.
     session: watch::Sender<Option<Arc<Handle>>>,
+    /// With --slurm: the session with the job's node, which carries the
+    /// forwards (`handle` carries the launcher). Its loss ends the tunnel:
+    /// a job step cannot be reattached.
+    node: Option<Arc<Handle>>,
 }
 
 /// How a ready tunnel ends without an error.
@@ -370,7 +399,11 @@ async fn wait_ready(
                 return Err(remote::error_from(&kind, message, log).into());
             }
             Event::Status(status) => {
-                let log = collect_log(launcher).await;
+                let mut log = collect_log(launcher).await;
+                if log.is_empty() {
+                    // Failed before the launcher ran (srun's own error, say).
+                    log = launcher.stderr_tail();
+                }
                 return Err(RemoteError::Ended {
                     status: Some(status),
                     log,
@@ -380,7 +413,7 @@ async fn wait_ready(
             Event::Closed => {
                 return Err(RemoteError::Ended {
                     status: None,
-                    log: Vec::new(),
+                    log: launcher.stderr_tail(),
                 }
                 .into())
             }
@@ -451,15 +484,15 @@ async fn serve(
         keep_for_detach(link, remote, state).await?;
     }
 
+    let stop_text = match &state.state.slurm {
+        Some(job) => format!("stop and cancel job {}", job.job_id),
+        None if args.detach => "detach, leaving Jupyter running".into(),
+        None => "stop".into(),
+    };
     tracing::info!(
-        "ready after {:.1}s: {base} (Ctrl-C or `tunnel down {}` to {})",
+        "ready after {:.1}s: {base} (Ctrl-C or `tunnel down {}` to {stop_text})",
         t0.elapsed().as_secs_f64(),
         state.state.host,
-        if args.detach {
-            "detach, leaving Jupyter running"
-        } else {
-            "stop"
-        }
     );
     // The one line scripts capture.
     let mut out = std::io::stdout().lock();
@@ -483,7 +516,7 @@ async fn serve(
     };
 
     loop {
-        match watch_launcher(&mut remote.launcher, signals).await {
+        match watch_launcher(&mut remote.launcher, signals, link.node.as_deref()).await {
             Watched::Interrupted(sig) => {
                 if args.detach {
                     tracing::info!("{sig}: detaching from jupyter on {}", target.alias);
@@ -511,6 +544,14 @@ async fn serve(
                     host: target.alias.clone(),
                     how,
                 })
+            }
+            Watched::ConnectionLost if link.node.is_some() => {
+                let job = state.state.slurm.as_ref().map(|j| j.job_id.clone());
+                return Err(SlurmError::ConnectionLost {
+                    host: target.alias.clone(),
+                    job: job.unwrap_or_default(),
+                }
+                .into());
             }
             Watched::ConnectionLost => {
                 let _ = link.session.send(None);
@@ -581,7 +622,13 @@ enum Watched {
     ConnectionLost,
 }
 
-async fn watch_launcher(launcher: &mut Launcher, signals: &mut Interrupts) -> Watched {
+/// `node`: a second session the tunnel depends on (--slurm's hop to the
+/// job's node), whose loss counts as a lost connection.
+async fn watch_launcher(
+    launcher: &mut Launcher,
+    signals: &mut Interrupts,
+    node: Option<&Handle>,
+) -> Watched {
     // sshd reports how the launcher ended before closing its channel; a
     // channel that closes without that report went down with the connection.
     let mut launcher_end: Option<String> = None;
@@ -589,6 +636,7 @@ async fn watch_launcher(launcher: &mut Launcher, signals: &mut Interrupts) -> Wa
         let ev = tokio::select! {
             ev = launcher.events.recv() => ev.unwrap_or(Event::Closed),
             sig = signals.recv() => return Watched::Interrupted(sig),
+            _ = closed(node) => return Watched::ConnectionLost,
         };
         match ev {
             Event::Exited(status) => return Watched::Exited(status),
@@ -659,6 +707,17 @@ async fn reconnect(
     }
 }
 
+/// Resolves once `handle`'s session has ended (russh notices through its
+/// keepalives); never for `None`.
+async fn closed(handle: Option<&Handle>) {
+    let Some(handle) = handle else {
+        return std::future::pending().await;
+    };
+    while !handle.is_closed() {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
@@ -717,6 +776,242 @@ async fn stop_remote(
                 tracing::warn!("{sig} again: not waiting; jupyter on {} stops itself after {linger}s", target.alias);
                 return;
             }
+        }
+    }
+}
+
+/// How long a fresh connection to the login node may take when the first
+/// one is gone and only a `scancel` is left to do.
+const CANCEL_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What `up --slurm` works with: the login node (HOST) and its connection.
+struct JobContext<'a> {
+    args: &'a UpArgs,
+    /// The login node.
+    target: &'a Target,
+    route: &'a [Target],
+    ssh_config: &'a ssh2_config::SshConfig,
+    local: &'a LocalUser,
+    login: Arc<Handle>,
+}
+
+/// `up --slurm`: submit, wait for the job, run Jupyter in it, serve; then
+/// cancel the job whatever happened, so that none is left holding GPUs.
+async fn slurm_up(
+    cx: &JobContext<'_>,
+    sbatch: &[String],
+    state: &mut StateFile,
+    early_listener: Option<tokio::net::TcpListener>,
+    signals: &mut Interrupts,
+    t0: Instant,
+) -> Result<(), UpError> {
+    let host = &cx.target.alias;
+    tracing::info!(
+        "submitting a job on {host}: sbatch {}",
+        slurm::args_text(sbatch)
+    );
+    let job = slurm::submit(&cx.login, host, sbatch).await?;
+    tracing::info!("job {job} submitted; waiting for it to start (Ctrl-C cancels it)");
+    state.state.slurm = Some(SlurmJob {
+        job_id: job.clone(),
+        state: "PENDING".into(),
+        reason: None,
+        node: None,
+        ends_at: None,
+    });
+    state.save()?;
+    let result = in_job(cx, &job, state, early_listener, signals, t0).await;
+    let result = match result {
+        // Jupyter's launcher ended under us: most often the job itself
+        // ended (time limit, scancel from elsewhere). Say which.
+        Err(UpError::LauncherEnded { how, .. } | UpError::JupyterStopped { status: how, .. })
+            if !cx.login.is_closed() =>
+        {
+            let seen = match slurm::query(&cx.login, host, &job).await {
+                Ok(Some(st)) => format!("{}; Jupyter's step ended with {how}", st.describe()),
+                Ok(None) => format!("squeue no longer lists it; Jupyter's step ended with {how}"),
+                Err(e) => format!("Jupyter's step ended with {how}; squeue: {e}"),
+            };
+            Err(SlurmError::Ended {
+                job: job.clone(),
+                how: seen,
+            }
+            .into())
+        }
+        other => other,
+    };
+    cancel_job(cx, &job, signals).await;
+    result
+}
+
+/// Wait for the job, start Jupyter in it, reach its node and serve.
+async fn in_job(
+    cx: &JobContext<'_>,
+    job: &str,
+    state: &mut StateFile,
+    early_listener: Option<tokio::net::TcpListener>,
+    signals: &mut Interrupts,
+    t0: Instant,
+) -> Result<(), UpError> {
+    let args = cx.args;
+    let host = &cx.target.alias;
+    let mut save_error = None;
+    let waited = slurm::wait_running(&cx.login, host, job, signals, |st| {
+        tracing::info!("job {job} {}", st.describe());
+        if let Some(rec) = state.state.slurm.as_mut() {
+            rec.state = st.state.clone();
+            rec.reason = Some(st.reason.clone()).filter(|r| !r.is_empty() && r != "None");
+            if st.is_running() {
+                rec.node = Some(st.batch_host.clone());
+                rec.ends_at = st.time_left.map(|left| now_secs() + left);
+            }
+        }
+        if let Err(e) = state.save() {
+            save_error = Some(e);
+        }
+    })
+    .await?;
+    if let Some(e) = save_error {
+        return Err(e.into());
+    }
+    let running = match waited {
+        Waited::Running(st) => st,
+        Waited::Interrupted(sig) => {
+            tracing::info!("{sig}: cancelling job {job}");
+            return Err(UpError::Interrupted(sig));
+        }
+    };
+    let node = running.batch_host;
+    if !slurm::valid_node(&node) {
+        return Err(SlurmError::Unexpected {
+            host: host.clone(),
+            command: "squeue",
+            answer: format!("batch host {node:?}"),
+        }
+        .into());
+    }
+
+    let token = Token::generate().map_err(UpError::Random)?;
+    let spec = LaunchSpec {
+        app: args.app,
+        env: args.env.clone(),
+        init: args.init.clone(),
+        dir: args.dir.clone(),
+        port_hint: args.port.unwrap_or(PORT_HINT),
+        linger_secs: args.linger,
+        timeout_secs: args.timeout,
+        slurm: true,
+    };
+    tracing::info!(
+        "starting jupyter {} in job {job} on {node}",
+        args.app.subcommand()
+    );
+    let wrapper = slurm::srun_wrapper(job, &node);
+    let mut launcher = Launcher::start_via(&cx.login, Some(&wrapper), &spec, &token).await?;
+
+    // While Jupyter starts, open the way to it: ssh to the node through the
+    // login node, host key and login checked as for any hop.
+    let node_target = config::resolve_node(cx.ssh_config, &node, cx.local, cx.target)?;
+    tracing::info!(
+        "connecting to {node} ({}@{} port {}) through {host}",
+        node_target.user,
+        node_target.host_name,
+        node_target.port
+    );
+    let node_handle = tokio::select! {
+        r = route::open_through(cx.login.clone(), host, &node_target, args.accept_new) => {
+            r.map_err(|source| SlurmError::Node {
+                job: job.to_string(),
+                node: node.clone(),
+                login: host.clone(),
+                source: Box::new(source),
+            })?
+        }
+        sig = signals.recv() => return Err(UpError::Interrupted(sig)),
+    };
+    let node_handle = Arc::new(node_handle);
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout + 5);
+    let (port, base_url) =
+        wait_ready(&mut launcher, state, signals, deadline, args.timeout).await?;
+    let mut remote = Remote {
+        launcher,
+        token,
+        runtime_dir: state.state.remote_runtime_dir.clone(),
+        port,
+        base_url,
+    };
+    let (session_tx, session_rx) = watch::channel(Some(node_handle.clone()));
+    let mut link = Link {
+        args,
+        target: &node_target,
+        route: cx.route,
+        handle: cx.login.clone(),
+        session: session_tx,
+        node: Some(node_handle.clone()),
+    };
+    let result = serve(
+        &mut link,
+        &mut remote,
+        session_rx,
+        state,
+        early_listener,
+        signals,
+        deadline,
+        t0,
+    )
+    .await;
+    if let Ok(Finish::Stop | Finish::Detach) = result {
+        // A clean stop first (kernels shut down, runtime dir removed); the
+        // scancel that follows ends the job.
+        stop_remote(&mut remote.launcher, &node_target, signals, 0).await;
+    }
+    let _ = node_handle
+        .disconnect(russh::Disconnect::ByApplication, "", "en")
+        .await;
+    result.map(|_| ())
+}
+
+/// scancel the job and wait for it to leave the queue. Over the login
+/// connection if it still stands, else over a fresh one; if even that fails,
+/// say how the job ends anyway and how to end it now.
+async fn cancel_job(cx: &JobContext<'_>, job: &str, signals: &mut Interrupts) {
+    let host = &cx.target.alias;
+    let fresh;
+    let handle: &Handle = if cx.login.is_closed() {
+        let reopen = tokio::time::timeout(
+            CANCEL_CONNECT_TIMEOUT,
+            route::open(cx.route, cx.args.accept_new),
+        );
+        match tokio::select! { r = reopen => Some(r), _ = signals.recv() => None } {
+            Some(Ok(Ok(h))) => {
+                fresh = h;
+                &fresh
+            }
+            other => {
+                let why = match other {
+                    Some(Ok(Err(e))) => e.to_string(),
+                    Some(Err(_)) => "timed out".into(),
+                    _ => "interrupted".into(),
+                };
+                tracing::warn!(
+                    "cannot reach {host} to cancel job {job} ({why}); it ends by itself once \
+                     Jupyter's step is gone, or run `scancel {job}` on {host}"
+                );
+                return;
+            }
+        }
+    } else {
+        &cx.login
+    };
+    tokio::select! {
+        r = slurm::cancel(handle, host, job) => match r {
+            Ok(true) => tracing::info!("cancelled job {job} on {host}; it has left the queue"),
+            Ok(false) => tracing::warn!("cancelled job {job} on {host}, but squeue still lists it"),
+            Err(e) => tracing::warn!("cannot cancel job {job}: {e}\n  run `scancel {job}` on {host}"),
+        },
+        sig = signals.recv() => {
+            tracing::warn!("{sig} again: not waiting for job {job} to leave the queue");
         }
     }
 }

@@ -18,7 +18,13 @@ TUNNEL_RT=$(mktemp -d "$tunnel_base/tunnel-jupyter.XXXXXXXX" 2>/dev/null) || {
 }
 chmod 700 "$TUNNEL_RT"
 tunnel_say "runtime $TUNNEL_RT"
-export TUNNEL_RT TUNNEL_MAIN TUNNEL_INIT TUNNEL_ENV TUNNEL_DIR TUNNEL_APP TUNNEL_PORT TUNNEL_LINGER TUNNEL_TIMEOUT
+# In a SLURM job step (tunnel up --slurm), the job's batch script holds the
+# allocation for as long as this process lives (the execs below keep its pid):
+# tell it which pid to watch. No secret here.
+if [ -n "${TUNNEL_SLURM:-}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+  printf '%s\n' "$$" >"${TMPDIR:-/tmp}/tunnel-slurm-$SLURM_JOB_ID.step"
+fi
+export TUNNEL_RT TUNNEL_MAIN TUNNEL_INIT TUNNEL_ENV TUNNEL_DIR TUNNEL_APP TUNNEL_PORT TUNNEL_LINGER TUNNEL_TIMEOUT TUNNEL_SLURM
 # The user's login shell sets up PATH, modules, etc. as an interactive ssh
 # login would; --init runs there (so shell functions such as `module` exist),
 # then the rest runs in /bin/sh, whose behaviour we know. csh/fish users get

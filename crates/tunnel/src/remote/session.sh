@@ -31,6 +31,12 @@ while IFS= read -r cmd; do
   esac
 done
 kill "$notifier" 2>/dev/null
+# A job step dies with its srun on the login node: nobody can come back to
+# it, so stop now rather than linger (the job ends with this process).
+if [ -n "${TUNNEL_SLURM:-}" ]; then
+  stop_all
+  exit 0
+fi
 lp=
 read -r lp <"$rt/lifeline.pid" 2>/dev/null
 [ "$lp" = "$$" ] && rm -f "$rt/lifeline.pid"

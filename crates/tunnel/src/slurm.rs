@@ -1,0 +1,638 @@
+//! `tunnel up LOGIN --slurm "SBATCH ARGS"`: the SLURM commands run on the
+//! login node, over the login connection.
+//!
+//! - [`submit`]: `sbatch --parsable` with a batch script (`remote/batch.sh`)
+//!   that only holds the allocation; it knows no token.
+//! - [`query`] / [`wait_running`]: `squeue` until the job runs, reporting
+//!   state and reason (`PENDING (Resources)`) as they change.
+//! - [`srun_wrapper`]: the job step that runs the usual launcher inside the
+//!   allocation (`srun --jobid=ID --overlap ...`); the launcher script and the
+//!   token reach it on srun's stdin, so neither is on a command line, in the
+//!   job script or in slurmctld's records.
+//! - [`cancel`]: `scancel`, then wait until squeue no longer lists the job.
+//!
+//! Every command goes through [`remote::EXEC_COMMAND`] (the script on stdin):
+//! the user's login shell can be anything, and the `--slurm` arguments are
+//! quoted for `/bin/sh` only.
+
+use std::time::Duration;
+
+use russh::ChannelMsg;
+
+use crate::connect::Handle;
+use crate::exit::{Exit, HasExit};
+use crate::remote::{self, EXEC_COMMAND, STDIN_SCRIPT};
+use crate::route::RouteError;
+use crate::signals::Interrupts;
+
+const BATCH: &str = include_str!("remote/batch.sh");
+
+/// The job's name in squeue (the user's `-J`/`--job-name` wins).
+pub const JOB_NAME: &str = "jupyter-tunnel";
+/// How long the batch script waits for the Jupyter step before it ends the
+/// job: tunnel starts the step seconds after the job runs, so only a client
+/// that went away while the job was pending takes this long.
+pub const STEP_GRACE_SECS: u64 = 300;
+/// squeue, sbatch and scancel answer in seconds; a hung controller must not
+/// hang tunnel.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(60);
+/// Poll squeue every second at first (a free node starts the job at once),
+/// then every few seconds: a pending job may wait for hours, and a busy
+/// controller should not be polled hard.
+const POLL_FAST: Duration = Duration::from_secs(1);
+const POLL_FAST_COUNT: u32 = 30;
+const POLL_SLOW: Duration = Duration::from_secs(5);
+
+/// Non-interactive ssh sessions may lack the SLURM commands on PATH (module
+/// systems put them there in profile scripts): read the profiles then. Their
+/// stdin is /dev/null so they cannot eat the lines meant for srun.
+const PATH_FIX: &str = "command -v squeue >/dev/null 2>&1 || \
+{ . /etc/profile; [ -r \"$HOME/.profile\" ] && . \"$HOME/.profile\"; } </dev/null >/dev/null 2>&1\n";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SlurmError {
+    #[error("--slurm {args:?}: {reason}")]
+    BadArgs { args: String, reason: String },
+    #[error(
+        "sbatch on {host} refused the job{}:\n{}\n\
+         The --slurm arguments go to sbatch as given: correct them and try again.",
+        status_text(*status),
+        indent(stderr)
+    )]
+    Submit {
+        host: String,
+        status: Option<u32>,
+        stderr: String,
+    },
+    #[error(
+        "{command} on {host} failed{}:\n{}\n\
+         Is {host} a SLURM login node? The SLURM commands must be on PATH in an ssh session there.",
+        status_text(*status),
+        indent(stderr)
+    )]
+    Command {
+        host: String,
+        command: &'static str,
+        status: Option<u32>,
+        stderr: String,
+    },
+    #[error("cannot run {command} on {host}: {source}")]
+    Channel {
+        host: String,
+        command: &'static str,
+        source: russh::Error,
+    },
+    #[error("timed out after {}s waiting for {command} on {host}", COMMAND_TIMEOUT.as_secs())]
+    Timeout { host: String, command: &'static str },
+    #[error("{command} on {host} answered {answer:?}, which tunnel does not understand")]
+    Unexpected {
+        host: String,
+        command: &'static str,
+        answer: String,
+    },
+    #[error("job {job} ended before it started running ({last})")]
+    NeverRan { job: String, last: String },
+    #[error(
+        "cannot reach node {node} of job {job} through {login}: {source}\n\
+         tunnel reaches Jupyter on the node by ssh through the login node, which clusters \
+         allow to the nodes of your running jobs. Check `ssh {node}` from {login}; a Host \
+         block for {node} in your ssh config can set its HostName, Port, User or keys."
+    )]
+    Node {
+        job: String,
+        node: String,
+        login: String,
+        source: Box<RouteError>,
+    },
+    #[error(
+        "the connection to {host} was lost while job {job} ran Jupyter; with --slurm tunnel \
+         does not reconnect (the job step ends with its srun on the login node)"
+    )]
+    ConnectionLost { host: String, job: String },
+    #[error("job {job} ended while Jupyter ran in it ({how})")]
+    Ended { job: String, how: String },
+}
+
+fn status_text(status: Option<u32>) -> String {
+    status
+        .map(|s| format!(" (exit status {s})"))
+        .unwrap_or_default()
+}
+
+fn indent(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    if lines.is_empty() {
+        return "  (no message)".into();
+    }
+    lines
+        .iter()
+        .map(|l| format!("  {l}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+impl HasExit for SlurmError {
+    fn exit(&self) -> Exit {
+        match self {
+            SlurmError::BadArgs { .. } => Exit::Usage,
+            SlurmError::Submit { .. }
+            | SlurmError::Command { .. }
+            | SlurmError::Unexpected { .. }
+            | SlurmError::NeverRan { .. }
+            | SlurmError::Ended { .. } => Exit::Slurm,
+            SlurmError::Channel { .. } | SlurmError::ConnectionLost { .. } => Exit::ConnectionLost,
+            SlurmError::Timeout { .. } => Exit::Timeout,
+            SlurmError::Node { source, .. } => source.exit(),
+        }
+    }
+}
+
+/// `--slurm "-p gpu --gres=gpu:1"` split as a shell would (quotes allowed).
+pub fn sbatch_args(raw: &str) -> Result<Vec<String>, SlurmError> {
+    shlex::split(raw).ok_or_else(|| SlurmError::BadArgs {
+        args: raw.to_string(),
+        reason: "unbalanced quotes".into(),
+    })
+}
+
+/// The arguments as a user would type them: quoted only where a shell needs it.
+pub fn args_text(args: &[String]) -> String {
+    let plain = |a: &str| {
+        !a.is_empty()
+            && a.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_./:=,@%+".contains(&b))
+    };
+    args.iter()
+        .map(|a| {
+            if plain(a) {
+                a.clone()
+            } else {
+                remote::sh_quote(a)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// What one remote command printed.
+#[derive(Debug, Default)]
+struct Output {
+    status: Option<u32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Run `script` with `/bin/sh` on the login node; its output once it ends.
+async fn run_sh(
+    handle: &Handle,
+    host: &str,
+    command: &'static str,
+    script: &str,
+) -> Result<Output, SlurmError> {
+    let channel_err = |source| SlurmError::Channel {
+        host: host.to_string(),
+        command,
+        source,
+    };
+    let run = async {
+        let mut channel = handle.channel_open_session().await?;
+        channel.exec(true, EXEC_COMMAND).await?;
+        channel
+            .data(remote::escape_line(&format!("{PATH_FIX}{script}")).as_bytes())
+            .await?;
+        channel.eof().await?;
+        let (mut out, mut err, mut status) = (Vec::new(), Vec::new(), None);
+        while let Some(msg) = channel.wait().await {
+            match msg {
+                ChannelMsg::Data { data } => out.extend_from_slice(&data),
+                ChannelMsg::ExtendedData { data, .. } => err.extend_from_slice(&data),
+                ChannelMsg::ExitStatus { exit_status } => status = Some(exit_status),
+                ChannelMsg::Close => break,
+                _ => {}
+            }
+        }
+        Ok(Output {
+            status,
+            stdout: String::from_utf8_lossy(&out).into_owned(),
+            stderr: String::from_utf8_lossy(&err).into_owned(),
+        })
+    };
+    match tokio::time::timeout(COMMAND_TIMEOUT, run).await {
+        Err(_) => Err(SlurmError::Timeout {
+            host: host.to_string(),
+            command,
+        }),
+        Ok(Err(e)) => Err(channel_err(e)),
+        Ok(Ok(out)) => {
+            tracing::trace!("{command} on {host}: {out:?}");
+            Ok(out)
+        }
+    }
+}
+
+/// The batch script, with its grace time filled in.
+pub fn batch_script() -> String {
+    BATCH.replace("TUNNEL_GRACE_SECS", &STEP_GRACE_SECS.to_string())
+}
+
+/// Submit the holding job; its id. sbatch's own message when it refuses.
+pub async fn submit(handle: &Handle, host: &str, args: &[String]) -> Result<String, SlurmError> {
+    let quoted: Vec<String> = args.iter().map(|a| remote::sh_quote(a)).collect();
+    // Our defaults come first so that the user's -J/-o (later) win.
+    let script = format!(
+        "exec sbatch --parsable --job-name={JOB_NAME} --output=/dev/null {args} <<'TUNNEL_BATCH'\n\
+         {batch}TUNNEL_BATCH\n",
+        args = quoted.join(" "),
+        batch = batch_script(),
+    );
+    let out = run_sh(handle, host, "sbatch", &script).await?;
+    if out.status != Some(0) {
+        return Err(SlurmError::Submit {
+            host: host.to_string(),
+            status: out.status,
+            stderr: if out.stderr.trim().is_empty() {
+                out.stdout
+            } else {
+                out.stderr
+            },
+        });
+    }
+    // `--parsable` prints `ID` or `ID;CLUSTER`.
+    let id = out
+        .stdout
+        .lines()
+        .map(str::trim)
+        .rfind(|l| !l.is_empty())
+        .and_then(|l| l.split(';').next())
+        .unwrap_or_default()
+        .to_string();
+    if !valid_job_id(&id) {
+        return Err(SlurmError::Unexpected {
+            host: host.to_string(),
+            command: "sbatch --parsable",
+            answer: out.stdout,
+        });
+    }
+    if !out.stderr.trim().is_empty() {
+        // Warnings (a default partition, a rounded time limit) are the user's business.
+        for line in out.stderr.lines().filter(|l| !l.trim().is_empty()) {
+            tracing::warn!("{line}");
+        }
+    }
+    Ok(id)
+}
+
+/// Job ids are numbers; anything else must not reach a command line.
+fn valid_job_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 20 && id.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// Node names are host names; anything else must not reach a command line.
+pub fn valid_node(node: &str) -> bool {
+    !node.is_empty()
+        && node.len() <= 253
+        && !node.starts_with('-')
+        && node
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+}
+
+/// One squeue line about the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobStatus {
+    /// PENDING, RUNNING, COMPLETING, ...
+    pub state: String,
+    /// Why it is pending (`Resources`, `Priority`, ...); "None" when running.
+    pub reason: String,
+    /// The job's nodes, as squeue abbreviates them (`gpu[01-02]`).
+    pub nodes: String,
+    /// The node that runs the batch script (the first one): where Jupyter runs.
+    pub batch_host: String,
+    /// Seconds left before the time limit; `None` when unlimited or unknown.
+    pub time_left: Option<u64>,
+}
+
+impl JobStatus {
+    pub fn is_running(&self) -> bool {
+        self.state == "RUNNING"
+    }
+
+    /// States a job does not come back from (COMPLETING included: it is
+    /// being torn down).
+    pub fn has_ended(&self) -> bool {
+        matches!(
+            self.state.as_str(),
+            "COMPLETING"
+                | "COMPLETED"
+                | "CANCELLED"
+                | "FAILED"
+                | "TIMEOUT"
+                | "NODE_FAIL"
+                | "PREEMPTED"
+                | "BOOT_FAIL"
+                | "DEADLINE"
+                | "OUT_OF_MEMORY"
+                | "REVOKED"
+                | "SPECIAL_EXIT"
+        )
+    }
+
+    /// `PENDING (Resources)`, `RUNNING on gpu01, 1h59m left`.
+    pub fn describe(&self) -> String {
+        let mut s = self.state.clone();
+        if self.is_running() {
+            s.push_str(&format!(" on {}", self.nodes));
+            if let Some(left) = self.time_left {
+                s.push_str(&format!(", {} left", duration_text(left)));
+            }
+        } else if !self.reason.is_empty() && self.reason != "None" {
+            s.push_str(&format!(" ({})", self.reason));
+        }
+        s
+    }
+}
+
+/// `1h02m`, `59m58s`, `3d04h`.
+pub fn duration_text(secs: u64) -> String {
+    match secs {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m{:02}s", s / 60, s % 60),
+        s if s < 86400 => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+        s => format!("{}d{:02}h", s / 86400, (s % 86400) / 3600),
+    }
+}
+
+const SQUEUE_FORMAT: &str = "%T|%r|%N|%B|%L";
+
+fn parse_status(line: &str) -> Option<JobStatus> {
+    let mut f = line.trim().splitn(5, '|');
+    let state = f.next()?.trim().to_string();
+    let reason = f.next()?.trim().to_string();
+    let nodes = f.next()?.trim().to_string();
+    let batch_host = f.next()?.trim().to_string();
+    let time_left = parse_time_left(f.next()?.trim());
+    if state.is_empty() {
+        return None;
+    }
+    Some(JobStatus {
+        state,
+        reason,
+        nodes,
+        batch_host,
+        time_left,
+    })
+}
+
+/// squeue's `%L`: `[days-]hours:minutes:seconds`, `minutes:seconds`, or a
+/// word (`UNLIMITED`, `NOT_SET`, `INVALID`).
+fn parse_time_left(s: &str) -> Option<u64> {
+    let (days, rest) = match s.split_once('-') {
+        Some((d, r)) => (d.parse::<u64>().ok()?, r),
+        None => (0, s),
+    };
+    let parts: Vec<u64> = rest
+        .split(':')
+        .map(|p| p.parse::<u64>().ok())
+        .collect::<Option<_>>()?;
+    let hms = match parts.as_slice() {
+        [h, m, s] => h * 3600 + m * 60 + s,
+        [m, s] => m * 60 + s,
+        [s] => *s,
+        _ => return None,
+    };
+    Some(days * 86400 + hms)
+}
+
+/// The job's line in squeue; `None` once squeue no longer knows the job.
+pub async fn query(
+    handle: &Handle,
+    host: &str,
+    job: &str,
+) -> Result<Option<JobStatus>, SlurmError> {
+    let script = format!("exec squeue -h -j {job} -o '{SQUEUE_FORMAT}'\n");
+    let out = run_sh(handle, host, "squeue", &script).await?;
+    if out.status == Some(0) {
+        let Some(line) = out.stdout.lines().find(|l| !l.trim().is_empty()) else {
+            return Ok(None);
+        };
+        return parse_status(line).map(Some).ok_or(SlurmError::Unexpected {
+            host: host.to_string(),
+            command: "squeue",
+            answer: out.stdout,
+        });
+    }
+    // A job purged from the controller's memory is "invalid" to squeue.
+    if out.stderr.contains("Invalid job id") {
+        return Ok(None);
+    }
+    Err(SlurmError::Command {
+        host: host.to_string(),
+        command: "squeue",
+        status: out.status,
+        stderr: out.stderr,
+    })
+}
+
+/// How [`wait_running`] ended.
+pub enum Waited {
+    Running(JobStatus),
+    Interrupted(&'static str),
+}
+
+/// Poll squeue until the job runs; `changed` hears each new state/reason.
+pub async fn wait_running(
+    handle: &Handle,
+    host: &str,
+    job: &str,
+    signals: &mut Interrupts,
+    mut changed: impl FnMut(&JobStatus),
+) -> Result<Waited, SlurmError> {
+    let mut last: Option<JobStatus> = None;
+    let mut last_error = String::new();
+    let mut polls = 0u32;
+    loop {
+        match query(handle, host, job).await {
+            Ok(Some(st)) => {
+                let moved = last
+                    .as_ref()
+                    .is_none_or(|l| l.state != st.state || l.reason != st.reason);
+                if moved {
+                    changed(&st);
+                }
+                if st.is_running() && !st.batch_host.is_empty() {
+                    return Ok(Waited::Running(st));
+                }
+                if st.has_ended() {
+                    return Err(SlurmError::NeverRan {
+                        job: job.to_string(),
+                        last: st.describe(),
+                    });
+                }
+                last = Some(st);
+            }
+            Ok(None) => {
+                return Err(SlurmError::NeverRan {
+                    job: job.to_string(),
+                    last: match &last {
+                        Some(l) => format!("last seen {}; squeue no longer lists it", l.describe()),
+                        None => "squeue never listed it".into(),
+                    },
+                })
+            }
+            // A lost connection will not come back by polling.
+            Err(e @ SlurmError::Channel { .. }) => return Err(e),
+            // A controller that is restarting or overloaded: say so once, keep waiting.
+            Err(e) => {
+                let text = e.to_string();
+                if text != last_error {
+                    tracing::warn!("{text}; still waiting");
+                    last_error = text;
+                }
+            }
+        }
+        polls += 1;
+        let pause = if polls < POLL_FAST_COUNT {
+            POLL_FAST
+        } else {
+            POLL_SLOW
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            sig = signals.recv() => return Ok(Waited::Interrupted(sig)),
+        }
+    }
+}
+
+/// The script, run by `/bin/sh` on the login node, that starts the launcher
+/// as a step of `job` on `node`: srun gets the rest of stdin (the launcher
+/// line and the token) and hands it to the step, whose `/bin/sh` reads the
+/// launcher line as [`remote::EXEC_COMMAND`] would. `--overlap` shares the
+/// CPUs, memory and GPUs that the batch script holds; the step inherits the
+/// allocation's environment (CUDA_VISIBLE_DEVICES included).
+pub fn srun_wrapper(job: &str, node: &str) -> String {
+    format!(
+        "{PATH_FIX}exec srun --jobid={job} --overlap --nodes=1 --ntasks=1 --nodelist={node} \
+         --job-name={JOB_NAME} /bin/sh -c {}\n",
+        remote::sh_quote(STDIN_SCRIPT)
+    )
+}
+
+/// scancel the job and wait (up to about 40 s) until squeue no longer lists
+/// it, so that its processes are gone when tunnel exits. `Ok(false)` when it
+/// was still listed at the end.
+pub async fn cancel(handle: &Handle, host: &str, job: &str) -> Result<bool, SlurmError> {
+    let script = format!(
+        "scancel {job} 2>/dev/null\n\
+         i=0\n\
+         while [ \"$i\" -lt 40 ]; do\n\
+         \x20 s=$(squeue -h -j {job} -o %T 2>/dev/null)\n\
+         \x20 [ -z \"$s\" ] && exit 0\n\
+         \x20 sleep 1\n\
+         \x20 i=$((i + 1))\n\
+         done\n\
+         echo \"$s\"\n\
+         exit 3\n"
+    );
+    let out = run_sh(handle, host, "scancel", &script).await?;
+    match out.status {
+        Some(0) => Ok(true),
+        Some(3) => Ok(false),
+        status => Err(SlurmError::Command {
+            host: host.to_string(),
+            command: "scancel",
+            status,
+            stderr: out.stderr,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    #[test]
+    fn splits_sbatch_args_like_a_shell() {
+        assert_eq!(
+            sbatch_args("-p gpu --gres=gpu:1 --time=02:00:00 -J 'my job'").expect("valid"),
+            vec![
+                "-p",
+                "gpu",
+                "--gres=gpu:1",
+                "--time=02:00:00",
+                "-J",
+                "my job"
+            ]
+        );
+        assert!(sbatch_args("").expect("empty is fine").is_empty());
+        let args = sbatch_args("-p gpu --time=1:00:00 -J 'my job'").expect("valid");
+        assert_eq!(args_text(&args), "-p gpu --time=1:00:00 -J 'my job'");
+        let err = sbatch_args("-p 'gpu").expect_err("unbalanced");
+        assert_eq!(err.exit(), Exit::Usage);
+    }
+
+    #[test]
+    fn parses_squeue_lines() {
+        assert_eq!(
+            parse_status("RUNNING|None|gpu[01-02]|gpu01|1-02:03:04"),
+            Some(JobStatus {
+                state: "RUNNING".into(),
+                reason: "None".into(),
+                nodes: "gpu[01-02]".into(),
+                batch_host: "gpu01".into(),
+                time_left: Some(86400 + 2 * 3600 + 3 * 60 + 4),
+            })
+        );
+        let pending = parse_status("PENDING|Resources||n/a|UNLIMITED").expect("parses");
+        assert_eq!(pending.time_left, None);
+        assert_eq!(pending.describe(), "PENDING (Resources)");
+        assert!(!pending.is_running() && !pending.has_ended());
+        assert_eq!(parse_time_left("59:58"), Some(3598));
+        assert_eq!(parse_time_left("NOT_SET"), None);
+        assert_eq!(parse_status(""), None);
+        let running = parse_status("RUNNING|None|gpu01|gpu01|1:59:58").expect("parses");
+        assert_eq!(running.describe(), "RUNNING on gpu01, 1h59m left");
+    }
+
+    #[test]
+    fn ids_and_node_names_are_checked_before_they_reach_a_command_line() {
+        assert!(valid_job_id("12345"));
+        assert!(!valid_job_id("12;rm -rf ~"));
+        assert!(!valid_job_id(""));
+        assert!(valid_node("gpu-01.cluster"));
+        assert!(!valid_node("-oProxyCommand=x"));
+        assert!(!valid_node("a b"));
+        assert!(!valid_node("n/a"));
+    }
+
+    #[test]
+    fn the_scripts_are_valid_sh_and_hold_no_secret() {
+        let batch = batch_script();
+        assert!(batch.starts_with("#!/bin/sh\n"));
+        assert!(!batch.contains("TOKEN"));
+        for (name, text) in [
+            ("batch", batch),
+            ("srun", srun_wrapper("12", "gpu01")),
+            ("path", PATH_FIX.to_string()),
+        ] {
+            let out = Command::new("/bin/sh")
+                .args(["-n", "-c", &text])
+                .output()
+                .expect("sh runs");
+            assert!(
+                out.status.success(),
+                "{name}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+
+    #[test]
+    fn srun_runs_the_same_reader_as_exec_command() {
+        assert!(EXEC_COMMAND.contains(STDIN_SCRIPT));
+        let w = srun_wrapper("7", "gpu01");
+        assert!(w.contains("--jobid=7 --overlap"));
+        assert!(w.contains("--nodelist=gpu01"));
+        assert!(w.ends_with(&format!("{}\n", remote::sh_quote(STDIN_SCRIPT))));
+    }
+}
