@@ -127,6 +127,31 @@ def main() -> int:
         checks["gpukernel_allocator_after_maxbatch"] = after_maxbatch.get("gpukernel_allocator")
         checks["gpukernel_nvml_after_maxbatch"] = next(
             (p["used_memory"] for g in after_maxbatch["gpus"] for p in g["processes"] if p["pid"] == proxy_pid), None)
+        # %maxbatch on a module of the notebook, on the GPU, mid-training: exported, searched,
+        # timed, and left exactly as it was.
+        code = ("import copy\n"
+                "net = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3), torch.nn.BatchNorm2d(64), "
+                "torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), "
+                "torch.nn.Linear(64, 10)).cuda()\n"
+                "net_opt = torch.optim.Adam(net.parameters())\n"
+                "net(torch.randn(8, 3, 64, 64, device='cuda')).sum().backward(); net_opt.step()\n"
+                "snap = lambda: (copy.deepcopy(net.state_dict()), [p.grad.clone() for p in net.parameters()],"
+                " copy.deepcopy(net_opt.state_dict()['state']))\n"
+                "eq = lambda a, b: torch.equal(a, b) if isinstance(a, torch.Tensor) else "
+                "(all(eq(a[k], b[k]) for k in a) if isinstance(a, dict) else "
+                "(all(eq(x, y) for x, y in zip(a, b)) if isinstance(a, (list, tuple)) else a == b))\n"
+                "before = snap()")
+        reply, _ = execute(kc, code, timeout=120)
+        _, outputs = execute(kc, "%maxbatch net --input 3x64x64 --max 16384 --throughput --json",
+                             timeout=600)
+        data = outputs[-1]["content"]["data"].get("application/json", {})
+        checks["maxbatch_notebook_module"] = {k: data.get(k) for k in (
+            "max_batch", "recommended", "settled", "throughput", "assumptions", "after_allocated_bytes")}
+        checks["maxbatch_notebook_module_stdout"] = stream_text(outputs)
+        _, outputs = execute(kc, "print(eq(before, snap()))", timeout=60)
+        checks["notebook_module_untouched"] = stream_text(outputs).strip() == "True"
+        _, outputs = execute(kc, "import glob, tempfile; print(len(glob.glob(tempfile.gettempdir() + '/gpukernel-maxbatch-*')))")
+        checks["export_files_left"] = stream_text(outputs).strip()
     results["gpu_python"] = checks
 
     # 3. Latency: %gpumem --json round trip vs nvidia-smi and gpustat as commands.
