@@ -71,7 +71,7 @@ class SlurmCluster:
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="tunnel-slurm."))
         self.dir.mkdir(parents=True, exist_ok=True)
         # munged refuses a socket or key in a directory others may write to.
-        os.chmod(self.dir, 0o755)
+        os.chmod(self.dir, 0o700)
         self.node = node
         self.cpus = cpus
         self.gpus = gpus
@@ -81,7 +81,8 @@ class SlurmCluster:
         self.munge_key = self.dir / "munge.key"
         self.ctld_log = self.dir / "slurmctld.log"
         self.slurmd_log = self.dir / "slurmd.log"
-        self.munged_log = self.dir / "munged.log"
+        # munged --foreground logs to stderr (munged.out), not to its log file.
+        self.munged_log = self.dir / "munged.out"
         self.jobcomp_log = self.dir / "jobcomp.log"
         self.procs: dict[str, subprocess.Popen] = {}
         self.pids: dict[str, int] = {}
@@ -94,8 +95,10 @@ class SlurmCluster:
         if not self.munge_key.exists():
             subprocess.run([MUNGEKEY, "--create", f"--keyfile={self.munge_key}"], check=True)
         os.chmod(self.munge_key, 0o400)
+        # --force: munged wants every directory above its socket open to all
+        # users (pytest's are 0700); here every client is this same user.
         self._spawn("munged", [
-            MUNGED, "--foreground", f"--socket={self.munge_socket}",
+            MUNGED, "--foreground", "--force", f"--socket={self.munge_socket}",
             f"--key-file={self.munge_key}", f"--pid-file={self.dir}/munged.pid",
             f"--log-file={self.munged_log}", f"--seed-file={self.dir}/munged.seed",
         ], detach)
@@ -132,6 +135,9 @@ SlurmctldPidFile={d}/slurmctld.pid
 SlurmdPidFile={d}/slurmd.pid
 SlurmctldLogFile={self.ctld_log}
 SlurmdLogFile={self.slurmd_log}
+# Chatty logs: tests search them for secrets that must not be there.
+SlurmctldDebug=debug
+SlurmdDebug=debug
 # No cgroups: follow a job's processes by parentage, bind nothing.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -262,6 +268,10 @@ PartitionName=debug Nodes={self.node} Default=YES DefaultTime=01:00:00 MaxTime=0
         if check and r.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited {r.returncode}: {r.stderr}")
         return r
+
+    def log_files(self) -> list[Path]:
+        """Every log the daemons wrote (their log files and captured output)."""
+        return sorted(p for p in self.dir.iterdir() if p.suffix in (".log", ".out"))
 
     def node_state(self) -> str:
         r = self.run("sinfo", "-h", "-N", "-n", self.node, "-o", "%T", check=False)

@@ -153,7 +153,7 @@ pub async fn run(args: DoctorArgs) -> Result<(), DoctorError> {
         port_hint: 0,
         linger_secs: 0,
         timeout_secs: 0,
-        slurm: false,
+        slurm: None,
     };
     let launcher = Launcher::doctor(&handle, &spec).await.map_err(|e| {
         r.fail(

@@ -48,10 +48,11 @@ pub struct LaunchSpec {
     pub port_hint: u16,
     pub linger_secs: u64,
     pub timeout_secs: u64,
-    /// Inside a SLURM job step (`tunnel up --slurm`): the launcher records
-    /// its pid for the job's batch script, and stops Jupyter as soon as the
+    /// Inside a SLURM job step (`tunnel up --slurm`), this submission's
+    /// step key ([`crate::slurm::step_key`]): the launcher records its pid
+    /// for the job's batch script under it, and stops Jupyter as soon as the
     /// client's stdin ends (a job step cannot be reattached).
-    pub slurm: bool,
+    pub slurm: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -163,7 +164,7 @@ fn stage1_with(spec: &LaunchSpec, main: &str) -> String {
         port = spec.port_hint,
         linger = spec.linger_secs,
         timeout = spec.timeout_secs,
-        slurm = if spec.slurm { "1" } else { "" },
+        slurm = opt(&spec.slurm),
         boot = BOOTSTRAP,
     );
     escape_line(&script)
@@ -405,7 +406,7 @@ mod tests {
             port_hint: 23456,
             linger_secs: 5,
             timeout_secs: 30,
-            slurm: false,
+            slurm: None,
         }
     }
 

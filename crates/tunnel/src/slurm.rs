@@ -230,20 +230,37 @@ async fn run_sh(
     }
 }
 
-/// The batch script, with its grace time filled in.
-pub fn batch_script() -> String {
-    BATCH.replace("TUNNEL_GRACE_SECS", &STEP_GRACE_SECS.to_string())
+/// A name for this submission's step file (not a secret: it only keeps a
+/// stale file from an earlier job with the same id from being mistaken for
+/// this one's).
+pub fn step_key() -> Result<String, getrandom::Error> {
+    let mut bytes = [0u8; 8];
+    getrandom::fill(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The batch script, with its grace time and step key filled in.
+pub fn batch_script(step_key: &str) -> String {
+    BATCH
+        .replace("TUNNEL_GRACE_SECS", &STEP_GRACE_SECS.to_string())
+        .replace("TUNNEL_STEP_KEY", step_key)
 }
 
 /// Submit the holding job; its id. sbatch's own message when it refuses.
-pub async fn submit(handle: &Handle, host: &str, args: &[String]) -> Result<String, SlurmError> {
+/// `step_key` must be the one the job step's launcher is given.
+pub async fn submit(
+    handle: &Handle,
+    host: &str,
+    args: &[String],
+    step_key: &str,
+) -> Result<String, SlurmError> {
     let quoted: Vec<String> = args.iter().map(|a| remote::sh_quote(a)).collect();
     // Our defaults come first so that the user's -J/-o (later) win.
     let script = format!(
         "exec sbatch --parsable --job-name={JOB_NAME} --output=/dev/null {args} <<'TUNNEL_BATCH'\n\
          {batch}TUNNEL_BATCH\n",
         args = quoted.join(" "),
-        batch = batch_script(),
+        batch = batch_script(step_key),
     );
     let out = run_sh(handle, host, "sbatch", &script).await?;
     if out.status != Some(0) {
@@ -607,9 +624,10 @@ mod tests {
 
     #[test]
     fn the_scripts_are_valid_sh_and_hold_no_secret() {
-        let batch = batch_script();
+        let batch = batch_script("0123abcd");
         assert!(batch.starts_with("#!/bin/sh\n"));
-        assert!(!batch.contains("TOKEN"));
+        assert!(batch.contains("tunnel-slurm-$SLURM_JOB_ID.0123abcd"));
+        assert!(!batch.contains("TOKEN") && !batch.contains("TUNNEL_"));
         for (name, text) in [
             ("batch", batch),
             ("srun", srun_wrapper("12", "gpu01")),

@@ -243,7 +243,7 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
                 port_hint: args.port.unwrap_or(PORT_HINT),
                 linger_secs: args.linger,
                 timeout_secs: args.timeout,
-                slurm: false,
+                slurm: None,
             };
             tracing::info!(
                 "starting jupyter {} on {}",
@@ -810,7 +810,8 @@ async fn slurm_up(
         "submitting a job on {host}: sbatch {}",
         slurm::args_text(sbatch)
     );
-    let job = slurm::submit(&cx.login, host, sbatch).await?;
+    let step_key = slurm::step_key().map_err(UpError::Random)?;
+    let job = slurm::submit(&cx.login, host, sbatch, &step_key).await?;
     tracing::info!("job {job} submitted; waiting for it to start (Ctrl-C cancels it)");
     state.state.slurm = Some(SlurmJob {
         job_id: job.clone(),
@@ -820,7 +821,7 @@ async fn slurm_up(
         ends_at: None,
     });
     state.save()?;
-    let result = in_job(cx, &job, state, early_listener, signals, t0).await;
+    let result = in_job(cx, &job, &step_key, state, early_listener, signals, t0).await;
     let result = match result {
         // Jupyter's launcher ended under us: most often the job itself
         // ended (time limit, scancel from elsewhere). Say which.
@@ -848,6 +849,7 @@ async fn slurm_up(
 async fn in_job(
     cx: &JobContext<'_>,
     job: &str,
+    step_key: &str,
     state: &mut StateFile,
     early_listener: Option<tokio::net::TcpListener>,
     signals: &mut Interrupts,
@@ -900,7 +902,7 @@ async fn in_job(
         port_hint: args.port.unwrap_or(PORT_HINT),
         linger_secs: args.linger,
         timeout_secs: args.timeout,
-        slurm: true,
+        slurm: Some(step_key.to_string()),
     };
     tracing::info!(
         "starting jupyter {} in job {job} on {node}",

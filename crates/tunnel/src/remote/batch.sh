@@ -5,14 +5,22 @@
 # ends when that step's launcher does (Ctrl-C, `tunnel down`, lost client),
 # or when none starts within the grace time (the client went away while the
 # job was pending), so a forgotten job does not sit on a GPU until its limit.
+# The step writes its launcher's pid to $f; the file's name is unique to this
+# submission (job ids can repeat, e.g. after a controller reset).
 grace=TUNNEL_GRACE_SECS
-f=${TMPDIR:-/tmp}/tunnel-slurm-$SLURM_JOB_ID.step
+f=${TMPDIR:-/tmp}/tunnel-slurm-$SLURM_JOB_ID.TUNNEL_STEP_KEY
+trap 'rm -f "$f"; exit 0' TERM INT HUP
 waited=0
 while [ ! -s "$f" ]; do
   [ "$waited" -ge "$grace" ] && exit 0
-  sleep 1
+  # In the background, so that scancel's SIGTERM is handled at once.
+  sleep 1 &
+  wait $!
   waited=$((waited + 1))
 done
 read -r pid <"$f"
-while kill -0 "$pid" 2>/dev/null; do sleep 2; done
+while kill -0 "$pid" 2>/dev/null; do
+  sleep 2 &
+  wait $!
+done
 rm -f "$f"

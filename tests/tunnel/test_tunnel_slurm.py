@@ -1,0 +1,279 @@
+"""`tunnel up LOGIN --slurm ...`: a real one-node SLURM cluster (Debian's munged,
+slurmctld and slurmd, tests/support/slurm.py) behind a test sshd playing the
+login node, and a second sshd playing the compute node's ssh (the node is this
+machine). Jupyter runs as a step of the job; the forward goes through the
+login node to the node."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import websocket
+
+from slurm import SlurmCluster, available
+from sshd import Sshd
+from test_tunnel_up import execute, start_kernel
+from tunnel_harness import (
+    EXIT, Tunnel, _socket_inodes, alive, cmdlines_containing, files_containing, is_loopback,
+    listening_sockets, port_of, processes_of_runtime_dir, run_tunnel, token_of, wait_until,
+)
+
+missing = available()
+pytestmark = pytest.mark.skipif(missing is not None, reason=f"SLURM test cluster: {missing}")
+
+EXIT_SLURM = 18
+EXIT_INTERRUPTED = 130
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One cluster for the module (starting it takes a few seconds); every test
+    leaves its queue empty, and a failed one has its jobs cancelled."""
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    c.start()
+    try:
+        yield c
+    finally:
+        c.cleanup()
+
+
+@pytest.fixture
+def login(tmp_path, cluster):
+    """The login node: its sessions find the cluster through SLURM_CONF, as a
+    real login node's find /etc/slurm/slurm.conf."""
+    s = Sshd(tmp_path / "login", alias="login", extra_sshd_config=f"SetEnv SLURM_CONF={cluster.conf}")
+    s.start()
+    try:
+        yield s
+    finally:
+        s.cleanup()
+
+
+@pytest.fixture
+def node_sshd(tmp_path, cluster):
+    """The compute node's sshd, reached by name (gpunode1) through the login node."""
+    s = Sshd(tmp_path / "node", alias=cluster.node)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.cleanup()
+
+
+@pytest.fixture
+def ssh_config(tmp_path, login, node_sshd) -> Path:
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(login.client_config() + node_sshd.client_config())
+    return cfg
+
+
+@pytest.fixture
+def up(tunnel_bin, login, ssh_config, state_dir, jupyter_prefix, cluster):
+    """Factory for `tunnel up login --slurm ARGS ...`; killed on teardown, and
+    whatever jobs are left are cancelled (and fail the test)."""
+    started: list[Tunnel] = []
+
+    def make(sbatch: str, *args: str) -> Tunnel:
+        t = Tunnel(tunnel_bin, login, state_dir, jupyter_prefix, ["--slurm", sbatch, *args],
+                   config=ssh_config, host="login")
+        started.append(t)
+        return t
+
+    yield make
+    for t in started:
+        t.kill()
+    left = cluster.jobs()
+    if left:
+        cluster.run("scancel", "--partition=debug", check=False)
+        cluster.wait_no_jobs(20)
+        pytest.fail(f"jobs left in squeue: {left}")
+
+
+def status_json(tunnel_bin, state_dir, host="login"):
+    r = run_tunnel(tunnel_bin, state_dir, "status", "--json", host)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def job_of(t: Tunnel) -> str:
+    for line in t.stderr_lines:
+        if "submitted" in line and "job " in line:
+            return line.split("job ", 1)[1].split()[0]
+    raise AssertionError(f"no job id in:\n{t.stderr}")
+
+
+def connected_to(port: int, pids) -> bool:
+    """Whether one of pids holds an established TCP connection to 127.0.0.1:port."""
+    inodes = set()
+    for p in pids:
+        inodes |= _socket_inodes(p)
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            remote, st, inode = fields[2], fields[3], int(fields[9])
+            if st == "01" and inode in inodes and int(remote.split(":")[1], 16) == port:
+                return True
+    return False
+
+
+def test_jupyter_runs_in_the_job_through_the_login_node_and_ctrl_c_cancels_it(
+    up, cluster, login, node_sshd, tunnel_bin, state_dir
+):
+    started = time.monotonic()
+    t = up("--gres=gpu:1 --time=10", "--app", "server")
+    url = t.wait_url(120)
+    token, port = token_of(url), port_of(url)
+    job = job_of(t)
+    auth = {"Authorization": f"token {token}"}
+
+    # Through the forward: /api/status answers, and a kernel runs code in the
+    # job's allocation (its GPU as CUDA_VISIBLE_DEVICES, with nothing configured).
+    r = requests.get(f"http://127.0.0.1:{port}/api/status", headers=auth, timeout=30)
+    assert r.status_code == 200, r.text
+    kid = start_kernel(f"http://127.0.0.1:{port}", token)
+    ws = websocket.create_connection(f"ws://127.0.0.1:{port}/api/kernels/{kid}/channels",
+                                     header=[f"Authorization: token {token}"], timeout=60)
+    try:
+        out, reply = execute(ws, "import os; print(6 * 7, os.environ.get('SLURM_JOB_ID'), "
+                                 "os.environ.get('CUDA_VISIBLE_DEVICES'), os.getpid())")
+    finally:
+        ws.close()
+    assert reply["status"] == "ok", reply
+    answer, job_env, cuda, kernel_pid = out.split()
+    assert (answer, job_env, cuda) == ("42", job, "0")
+
+    # squeue: the job runs on the node while the tunnel is up.
+    jobs = cluster.jobs()
+    assert [(j["id"], j["state"], j["nodes"]) for j in jobs] == [(job, "RUNNING", cluster.node)]
+    assert f"job {job} RUNNING on {cluster.node}" in t.stderr
+
+    # status: job id, node, state and time left.
+    st = status_json(tunnel_bin, state_dir)
+    assert st["slurm"]["job_id"] == job and st["slurm"]["state"] == "RUNNING"
+    assert st["slurm"]["node"] == cluster.node
+    assert 0 < st["slurm_time_left_secs"] <= 600
+    text = run_tunnel(tunnel_bin, state_dir, "status", "login").stdout
+    assert f"slurm:   job {job} RUNNING on {cluster.node}, time left " in text, text
+
+    # Jupyter and its kernel are processes of the job (below its slurmstepd),
+    # not of an ssh session, and they listen on loopback only.
+    rt, jupyter_pid = st["remote_runtime_dir"], st["remote_pid"]
+    job_pids = cluster.job_pids()
+    assert jupyter_pid in job_pids and int(kernel_pid) in job_pids
+    assert not set(job_pids) & set(login.session_pids() + node_sshd.session_pids())
+    for pid in job_pids:
+        assert all(is_loopback(a) for a, _ in listening_sockets(pid)), (pid, listening_sockets(pid))
+    assert any(p == st["remote_port"] for _, p in listening_sockets(jupyter_pid))
+    # The forward's way in: the node's sshd (reached through the login node's)
+    # holds the connection to Jupyter's port.
+    assert connected_to(st["remote_port"], node_sshd.session_pids())
+    assert "Accepted publickey" in node_sshd.log.read_text()
+
+    # The token: in no job record, job script, command line or log; only in
+    # private files (Jupyter's own 0600 info file on the node).
+    job_record = cluster.run("scontrol", "show", "job", "-dd", job).stdout
+    assert f"JobId={job}" in job_record and token not in job_record
+    script = cluster.run("scontrol", "write", "batch_script", job, "-").stdout
+    assert script.startswith("#!/bin/sh") and token not in script
+    steps = cluster.run("scontrol", "show", "step", "-dd", job).stdout
+    assert f"StepId={job}.0" in steps and token not in steps
+    assert cmdlines_containing(token) == []
+    logs = [login.log, node_sshd.log, Path(rt) / "jupyter.log", *cluster.log_files()]
+    assert cluster.ctld_log in logs and cluster.slurmd_log in logs
+    for log in logs:
+        assert token not in log.read_text(errors="replace"), log
+    assert token not in t.stderr
+    hits = files_containing(token, ["/tmp", state_dir, cluster.dir])
+    assert any(p.name.startswith("jpserver-") for p, _ in hits), hits
+    assert all(mode & 0o077 == 0 for _, mode in hits), hits
+
+    # Ctrl-C: Jupyter stopped, the job cancelled and gone from squeue, nothing
+    # of it left on the node.
+    assert t.interrupt_and_wait(60) == EXIT["ok"], t.stderr
+    assert f"cancelled job {job}" in t.stderr
+    assert cluster.jobs() == []
+    assert cluster.job_pids() == []
+    assert not alive(jupyter_pid) and not alive(int(kernel_pid))
+    assert processes_of_runtime_dir(rt) == [] and not Path(rt).exists()
+    # The job's completion record holds no token either.
+    assert wait_until(lambda: job in cluster.jobcomp_log.read_text(), 10)
+    assert token not in cluster.jobcomp_log.read_text()
+    print(f"up, kernel, checks and Ctrl-C took {time.monotonic() - started:.1f}s")
+
+
+def test_tunnel_down_cancels_the_job(up, cluster, tunnel_bin, state_dir):
+    t = up("--time=5", "--app", "server")
+    t.wait_url(120)
+    job = job_of(t)
+    assert [j["id"] for j in cluster.jobs()] == [job]
+    jupyter_pid = status_json(tunnel_bin, state_dir)["remote_pid"]
+    # `down` signals the tunnel (SIGTERM), which stops Jupyter and cancels the job.
+    r = run_tunnel(tunnel_bin, state_dir, "down", "login")
+    assert r.returncode == EXIT["ok"], r.stderr
+    assert t.proc.poll() == EXIT["ok"], t.stderr
+    assert "SIGTERM" in t.stderr and f"cancelled job {job}" in t.stderr
+    assert cluster.jobs() == [] and cluster.job_pids() == []
+    assert not alive(jupyter_pid)
+
+
+def test_a_pending_job_shows_its_reason_and_ctrl_c_cancels_it(up, cluster, tunnel_bin, state_dir):
+    # Another job takes the whole node, so ours must wait for resources.
+    blocker = cluster.sbatch("--exclusive", "--job-name=blocker")
+    assert wait_until(lambda: any(j["id"] == blocker and j["state"] == "RUNNING"
+                                  for j in cluster.jobs()), 30)
+    try:
+        t = up("--time=5")
+        assert wait_until(lambda: "PENDING (Resources)" in t.stderr, 60), t.stderr
+        job = job_of(t)
+        assert {j["id"]: (j["state"], j["reason"]) for j in cluster.jobs()}[job] == \
+            ("PENDING", "Resources")
+        assert f"job {job} PENDING (Resources)" in run_tunnel(
+            tunnel_bin, state_dir, "status", "login").stdout
+        assert t.stdout_lines == []  # no URL: nothing runs yet
+
+        t.signal(signal.SIGINT)
+        assert t.wait(60) == EXIT_INTERRUPTED, t.stderr
+        assert f"cancelled job {job}" in t.stderr
+        # Our job is gone; the other one was not touched.
+        assert [j["id"] for j in cluster.jobs()] == [blocker]
+    finally:
+        cluster.run("scancel", blocker, check=False)
+        assert cluster.wait_no_jobs(30)
+
+
+def test_bad_slurm_arguments_give_sbatchs_own_message(
+    tunnel_bin, ssh_config, state_dir, jupyter_prefix, cluster
+):
+    def up_with(sbatch: str):
+        return run_tunnel(tunnel_bin, state_dir, "up", "-F", str(ssh_config), "login",
+                          "--no-browser", "--env", str(jupyter_prefix), "--slurm", sbatch)
+
+    r = up_with("--no-such-option")
+    assert r.returncode == EXIT_SLURM, r.stderr
+    assert "sbatch: unrecognized option '--no-such-option'" in r.stderr, r.stderr
+    r = up_with("-p nosuchpartition --time=5")
+    assert r.returncode == EXIT_SLURM, r.stderr
+    assert "invalid partition specified: nosuchpartition" in r.stderr, r.stderr
+    assert "correct them" in r.stderr
+    # Unbalanced quotes are caught before anything is sent.
+    r = up_with("-J 'unfinished")
+    assert r.returncode == 2 and "unbalanced quotes" in r.stderr, r.stderr
+    assert cluster.jobs() == []
+
+
+def test_an_unreachable_node_is_reported_and_the_job_cancelled(up, cluster, node_sshd):
+    node_sshd.stop()  # ssh to the node is closed on this cluster
+    t = up("--time=5")
+    rc = t.wait(120)
+    assert rc == EXIT["refused"], t.stderr
+    job = job_of(t)
+    assert f"cannot reach node {cluster.node} of job {job} through login" in t.stderr, t.stderr
+    assert f"cancelled job {job}" in t.stderr
+    assert cluster.wait_no_jobs(10) and cluster.job_pids() == []
