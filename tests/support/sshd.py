@@ -1,4 +1,4 @@
-"""A throwaway OpenSSH sshd on 127.0.0.1, for tests and demos.
+"""A throwaway OpenSSH sshd on 127.0.0.1 (or another address), for tests and demos.
 
 It gets its own host key, an authorized_keys file holding a fresh client key,
 and a client-side ssh_config + known_hosts in the same temporary directory, so
@@ -19,6 +19,11 @@ From a shell (the server keeps running until `stop`)::
 sshd runs as the invoking user (root in CI: root login is allowed with keys
 only). Stopping kills sshd and every process below it (sessions, and whatever
 they started), so a failed test cannot leave a Jupyter server behind.
+
+To run it somewhere else, e.g. inside a network namespace, give the address it
+listens on and a command prefix::
+
+    Sshd(listen_host="10.213.0.2", command_prefix=["ip", "netns", "exec", "ns1"])
 """
 
 from __future__ import annotations
@@ -91,12 +96,20 @@ def _keygen(path: Path, comment: str) -> None:
 
 
 class Sshd:
-    """One sshd on 127.0.0.1:port with everything it needs in `workdir`."""
+    """One sshd on listen_host:port with everything it needs in `workdir`.
+
+    command_prefix goes before sshd's argv (it must exec sshd, so that the pid
+    is sshd's own: `ip netns exec NS` does); the client side then reaches the
+    server at listen_host.
+    """
 
     def __init__(self, workdir: str | os.PathLike | None = None, alias: str = "tunnel-test",
                  user: str | None = None, extra_sshd_config: str = "",
-                 totp_secret: str | None = None):
+                 totp_secret: str | None = None, listen_host: str = "127.0.0.1",
+                 command_prefix: list[str] | tuple[str, ...] = ()):
         self._own_dir = workdir is None
+        self.listen_host = listen_host
+        self.command_prefix = list(command_prefix)
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="tunnel-sshd."))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.alias = alias
@@ -136,6 +149,8 @@ class Sshd:
         if self.totp_secret:
             self._write_pam()
         for attempt in range(5):
+            # A free port here is as good a guess as any inside another
+            # namespace; a taken one makes sshd exit and the loop retry.
             self.port = self.port or free_port()
             self._write_sshd_config()
             if self._launch(detach):
@@ -150,7 +165,7 @@ class Sshd:
 
     def _write_sshd_config(self) -> None:
         self.sshd_config.write_text(
-            f"""ListenAddress 127.0.0.1:{self.port}
+            f"""ListenAddress {self.listen_host}:{self.port}
 HostKey {self.host_key}
 PidFile {self.dir}/sshd.pid
 AuthorizedKeysFile {self.dir}/authorized_keys
@@ -205,7 +220,7 @@ LogLevel INFO
     def _launch(self, detach: bool) -> bool:
         log = open(self.log, "ab")
         self.proc = subprocess.Popen(
-            [self._argv0(), "-D", "-e", "-f", str(self.sshd_config)],
+            [*self.command_prefix, self._argv0(), "-D", "-e", "-f", str(self.sshd_config)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             start_new_session=detach,
         )
@@ -216,7 +231,7 @@ LogLevel INFO
             if self.proc.poll() is not None:
                 return False  # e.g. the port was taken meanwhile
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                with socket.create_connection((self.listen_host, self.port), timeout=1) as s:
                     if s.recv(64).startswith(b"SSH-"):
                         return True
             except OSError:
@@ -266,7 +281,7 @@ LogLevel INFO
         return " ".join(Path(f"{self.host_key}.pub").read_text().split()[:2])
 
     def known_hosts_line(self) -> str:
-        return f"[127.0.0.1]:{self.port} {self.host_public_key()}"
+        return f"[{self.listen_host}]:{self.port} {self.host_public_key()}"
 
     def write_known_hosts(self, known: bool = True) -> None:
         self.known_hosts.write_text(self.known_hosts_line() + "\n" if known else "")
@@ -275,7 +290,7 @@ LogLevel INFO
     def client_config(self, alias: str | None = None, **options: str) -> str:
         """ssh_config text for this server; keyword arguments override or add options."""
         opts = {
-            "HostName": "127.0.0.1",
+            "HostName": self.listen_host,
             "Port": str(self.port),
             "User": self.user,
             "IdentityFile": str(self.client_key),

@@ -18,8 +18,21 @@ use crate::prompt;
 /// kernel's TCP timeout, minutes).
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// Used when the ssh config sets no ServerAliveInterval: a dead link must be
-/// noticed, since the remote server is only stopped through this session.
-const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(15);
+/// noticed, since the remote server is only stopped through this session, and
+/// noticed soon, since the notebook hangs until the session is restored.
+/// russh gives up after ServerAliveCountMax (ssh's default 3) unanswered
+/// probes, i.e. after (count + 1) intervals of silence: 16 s here, so a link
+/// that is down for 20 s is already being redialled when it comes back (at
+/// 15 s it went unnoticed for a minute). An idle probe every 4 s costs a few
+/// bytes; a false alarm costs one reconnect to the same URL and kernels.
+const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(4);
+/// While a TCP connect goes unanswered, start a fresh one this often (the
+/// earlier ones go on; the first to connect wins). A connect begun while the
+/// link was down only retries its SYN at 1, 3, 7, 15 s, from the source
+/// address picked back then, which may no longer route (the laptop changed
+/// networks): alone it could leave a tunnel down for most of ConnectTimeout
+/// after the network came back.
+const REDIAL_EVERY: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -393,7 +406,7 @@ pub async fn connect(target: &Target, policy: HostKeyPolicy) -> Result<Connectio
     let mut stream = None;
     for addr in &addrs {
         tracing::debug!("connecting to {addr}");
-        match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
+        match tokio::time::timeout(timeout, dial(*addr)).await {
             Ok(Ok(s)) => {
                 stream = Some((s, *addr));
                 break;
@@ -436,6 +449,29 @@ pub async fn connect(target: &Target, policy: HostKeyPolicy) -> Result<Connectio
     }
     let handle = handshake(target, policy, tcp, Vec::new()).await?;
     Ok(Connection { handle, peer })
+}
+
+/// TCP connect to `addr`, redialling every [`REDIAL_EVERY`] while no dial has
+/// been answered; the first answer (a connection or an error such as
+/// "refused") decides. The caller bounds the whole with its timeout; the
+/// dials still pending are aborted when this returns or is dropped.
+async fn dial(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let mut dials = tokio::task::JoinSet::new();
+    dials.spawn(TcpStream::connect(addr));
+    let mut redial =
+        tokio::time::interval_at(tokio::time::Instant::now() + REDIAL_EVERY, REDIAL_EVERY);
+    loop {
+        tokio::select! {
+            // (The set is never empty here: it only shrinks as we return.)
+            Some(done) = dials.join_next() => {
+                return done.unwrap_or_else(|e| Err(std::io::Error::other(e)));
+            }
+            _ = redial.tick() => {
+                tracing::debug!("no answer from {addr} yet; dialling again");
+                dials.spawn(TcpStream::connect(addr));
+            }
+        };
+    }
 }
 
 /// Reach `target` through `jumps` (the last one opens the way): a
