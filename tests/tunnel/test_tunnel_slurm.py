@@ -277,3 +277,17 @@ def test_an_unreachable_node_is_reported_and_the_job_cancelled(up, cluster, node
     assert f"cannot reach node {cluster.node} of job {job} through login" in t.stderr, t.stderr
     assert f"cancelled job {job}" in t.stderr
     assert cluster.wait_no_jobs(10) and cluster.job_pids() == []
+
+
+def test_a_killed_client_leaves_no_job_behind(up, cluster, tunnel_bin, state_dir):
+    t = up("--time=5", "--app", "server")
+    t.wait_url(120)
+    job = job_of(t)
+    jupyter_pid = status_json(tunnel_bin, state_dir)["remote_pid"]
+    # No goodbye, no scancel: the login connection just closes. srun's stdin
+    # ends, the launcher stops Jupyter, and the batch script ends the job.
+    t.signal(signal.SIGKILL)
+    t.wait()
+    assert cluster.wait_no_jobs(30), cluster.jobs()
+    assert cluster.job_pids() == [] and not alive(jupyter_pid)
+    assert f"JobId={job} " in cluster.jobcomp_log.read_text()

@@ -318,6 +318,9 @@ pub fn status(args: StatusArgs) -> Result<(), ManageError> {
         if let Some(d) = &st.remote_runtime_dir {
             remote.push_str(&format!(", runtime dir {d}"));
         }
+        if st.slurm.as_ref().is_some_and(|j| j.node.is_none()) {
+            remote.push_str(" (starts once the job runs)");
+        }
         out!("  remote:  {remote}");
         if let Some(job) = &st.slurm {
             out!("  slurm:   {}", job_text(job, s.slurm_time_left_secs));
