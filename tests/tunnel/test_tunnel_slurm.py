@@ -273,15 +273,38 @@ def test_bad_slurm_arguments_give_sbatchs_own_message(
     assert cluster.jobs() == []
 
 
-def test_an_unreachable_node_is_reported_and_the_job_cancelled(up, cluster, node_sshd):
-    node_sshd.stop()  # ssh to the node is closed on this cluster
-    t = up("--time=5")
-    rc = t.wait(120)
-    assert rc == EXIT["refused"], t.stderr
+def test_where_ssh_to_the_node_is_closed_connections_go_through_relay_steps(
+    up, cluster, node_sshd, tunnel_bin, state_dir
+):
+    node_sshd.stop()  # this cluster refuses ssh to its nodes
+    t = up("--time=5", "--app", "server")
+    url = t.wait_url(120)
+    token, port = token_of(url), port_of(url)
     job = job_of(t)
-    assert f"cannot reach node {cluster.node} of job {job} through login" in t.stderr, t.stderr
+    assert f"cannot ssh to {cluster.node} through login" in t.stderr, t.stderr
+    assert "relaying through job steps" in t.stderr
+    # HTTP and a kernel's websocket, each connection a relay step of the job.
+    r = requests.get(f"http://127.0.0.1:{port}/api/status",
+                     headers={"Authorization": f"token {token}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    kid = start_kernel(f"http://127.0.0.1:{port}", token)
+    ws = websocket.create_connection(f"ws://127.0.0.1:{port}/api/kernels/{kid}/channels",
+                                     header=[f"Authorization: token {token}"], timeout=60)
+    try:
+        out, reply = execute(ws, "print('x' * 100000, 6 * 7)")
+        steps = cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%j").stdout.split()
+    finally:
+        ws.close()
+    assert reply["status"] == "ok" and out.split() == ["x" * 100000, "42"], reply
+    assert "jupyter-relay" in steps, steps
+    st = status_json(tunnel_bin, state_dir)
+    assert st["remote_pid"] in cluster.job_pids()
+    assert cmdlines_containing(token) == []
+
+    assert t.interrupt_and_wait(60) == EXIT["ok"], t.stderr
     assert f"cancelled job {job}" in t.stderr
-    assert cluster.wait_no_jobs(10) and cluster.job_pids() == []
+    assert cluster.jobs() == [] and cluster.job_pids() == []
+    assert not alive(st["remote_pid"])
 
 
 def test_a_killed_client_leaves_no_job_behind(up, cluster, tunnel_bin, state_dir):

@@ -15,6 +15,7 @@ use tokio::task::JoinHandle;
 
 use crate::connect::Handle;
 use crate::exit::{Exit, HasExit};
+use crate::remote;
 
 /// How far past the preferred port to look for a free one.
 const PORT_SEARCH: u16 = 100;
@@ -73,9 +74,22 @@ pub async fn bind_near(preferred: u16) -> Result<TcpListener, ForwardError> {
 /// The current SSH session, or `None` while reconnecting.
 pub type Session = watch::Receiver<Option<Arc<Handle>>>;
 
-/// Accept connections forever, forwarding each to 127.0.0.1:`remote_port`
-/// on the remote over the current session. Ends when the task is aborted.
-pub fn serve(listener: TcpListener, session: Session, remote_port: u16) -> JoinHandle<()> {
+/// How each local connection reaches Jupyter over the session.
+#[derive(Debug, Clone)]
+pub enum Way {
+    /// A direct-tcpip channel to 127.0.0.1:port on the session's host.
+    Direct(u16),
+    /// An exec channel running [`remote::EXEC_COMMAND`] that is handed
+    /// `script` as its first stdin line: a script that relays the rest of
+    /// its stdin/stdout to Jupyter (`tunnel up --slurm` where ssh to the
+    /// job's node is closed: a relay job step started from the login node).
+    Exec { script: String },
+}
+
+/// Accept connections forever, forwarding each to Jupyter `way` (usually
+/// 127.0.0.1:port on the remote) over the current session. Ends when the
+/// task is aborted.
+pub fn serve(listener: TcpListener, session: Session, way: Way) -> JoinHandle<()> {
     tokio::spawn(async move {
         loop {
             let (tcp, peer) = match listener.accept().await {
@@ -88,13 +102,14 @@ pub fn serve(listener: TcpListener, session: Session, remote_port: u16) -> JoinH
                 }
             };
             let mut session = session.clone();
+            let way = way.clone();
             tokio::spawn(async move {
                 let handle = match session.wait_for(Option::is_some).await {
                     Ok(h) => h.clone(),
                     Err(_) => return, // the tunnel is shutting down
                 };
                 let Some(handle) = handle else { return };
-                if let Err(e) = forward_one(tcp, peer, &handle, remote_port).await {
+                if let Err(e) = forward_one(tcp, peer, &handle, &way).await {
                     tracing::debug!("connection from {peer}: {e}");
                 }
             });
@@ -106,23 +121,37 @@ async fn forward_one(
     mut tcp: TcpStream,
     peer: SocketAddr,
     handle: &Handle,
-    remote_port: u16,
+    way: &Way,
 ) -> Result<(), String> {
     tcp.set_nodelay(true).map_err(|e| e.to_string())?;
-    let channel = handle
-        .channel_open_direct_tcpip(
-            "127.0.0.1",
-            u32::from(remote_port),
-            peer.ip().to_string(),
-            u32::from(peer.port()),
-        )
-        .await
-        .map_err(|e| {
-            tracing::warn!(
-                "cannot open a forwarding channel to the remote port {remote_port}: {e}"
-            );
-            e.to_string()
-        })?;
+    let channel = match way {
+        Way::Direct(remote_port) => handle
+            .channel_open_direct_tcpip(
+                "127.0.0.1",
+                u32::from(*remote_port),
+                peer.ip().to_string(),
+                u32::from(peer.port()),
+            )
+            .await
+            .map_err(|e| {
+                tracing::warn!(
+                    "cannot open a forwarding channel to the remote port {remote_port}: {e}"
+                );
+                e.to_string()
+            })?,
+        Way::Exec { script } => {
+            let open = async {
+                let channel = handle.channel_open_session().await?;
+                channel.exec(true, remote::EXEC_COMMAND).await?;
+                channel.data(remote::escape_line(script).as_bytes()).await?;
+                Ok::<_, russh::Error>(channel)
+            };
+            open.await.map_err(|e| {
+                tracing::warn!("cannot start a relay to Jupyter: {e}");
+                e.to_string()
+            })?
+        }
+    };
     let mut stream = channel.into_stream();
     let (up, down) =
         tokio::io::copy_bidirectional_with_sizes(&mut tcp, &mut stream, COPY_BUF, COPY_BUF)

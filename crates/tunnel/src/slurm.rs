@@ -22,7 +22,6 @@ use russh::ChannelMsg;
 use crate::connect::Handle;
 use crate::exit::{Exit, HasExit};
 use crate::remote::{self, EXEC_COMMAND, STDIN_SCRIPT};
-use crate::route::RouteError;
 use crate::signals::Interrupts;
 
 const BATCH: &str = include_str!("remote/batch.sh");
@@ -93,18 +92,6 @@ pub enum SlurmError {
     #[error("job {job} ended before it started running ({last})")]
     NeverRan { job: String, last: String },
     #[error(
-        "cannot reach node {node} of job {job} through {login}: {source}\n\
-         tunnel reaches Jupyter on the node by ssh through the login node, which clusters \
-         allow to the nodes of your running jobs. Check `ssh {node}` from {login}; a Host \
-         block for {node} in your ssh config can set its HostName, Port, User or keys."
-    )]
-    Node {
-        job: String,
-        node: String,
-        login: String,
-        source: Box<RouteError>,
-    },
-    #[error(
         "the connection to {host} was lost while job {job} ran Jupyter; with --slurm tunnel \
          does not reconnect (the job step ends with its srun on the login node)"
     )]
@@ -142,7 +129,6 @@ impl HasExit for SlurmError {
             | SlurmError::Ended { .. } => Exit::Slurm,
             SlurmError::Channel { .. } | SlurmError::ConnectionLost { .. } => Exit::ConnectionLost,
             SlurmError::Timeout { .. } => Exit::Timeout,
-            SlurmError::Node { source, .. } => source.exit(),
         }
     }
 }
@@ -534,6 +520,52 @@ pub fn srun_wrapper(job: &str, node: &str) -> String {
     )
 }
 
+/// The relay a job step runs where ssh to the node is closed: one local
+/// connection's bytes between its stdin/stdout and Jupyter on the node's
+/// 127.0.0.1 (`python3 -c RELAY PORT`). Half-closes are passed on, so HTTP
+/// and websockets end as they would over a direct channel.
+const RELAY_PY: &str = r#"import os, socket, sys, threading
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+def up():
+    try:
+        while True:
+            d = os.read(0, 65536)
+            if not d:
+                break
+            s.sendall(d)
+    except OSError:
+        pass
+    try:
+        s.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+threading.Thread(target=up, daemon=True).start()
+while True:
+    d = s.recv(65536)
+    if not d:
+        break
+    v = memoryview(d)
+    while v:
+        v = v[os.write(1, v):]
+"#;
+
+/// The script (run by `/bin/sh` on the login node, the rest of its stdin
+/// being the connection's bytes) that relays one connection to Jupyter on
+/// `port` of `node` through a job step: the fallback where ssh to the node
+/// is closed. `--unbuffered`: srun would otherwise hold output back until a
+/// newline, which binary traffic may never send.
+pub fn relay_wrapper(job: &str, node: &str, port: u16) -> String {
+    let finder = "for p in python3 python; do command -v \"$p\" >/dev/null 2>&1 && \
+                  exec \"$p\" -c \"$0\" \"$1\"; done; \
+                  echo \"tunnel relay: no python3 on $(hostname)\" >&2; exit 127";
+    format!(
+        "{PATH_FIX}exec srun --unbuffered --quiet --jobid={job} --overlap --nodes=1 --ntasks=1 \
+         --nodelist={node} --job-name=jupyter-relay /bin/sh -c {} {} {port}\n",
+        remote::sh_quote(finder),
+        remote::sh_quote(RELAY_PY)
+    )
+}
+
 /// scancel the job and wait (up to about 40 s) until squeue no longer lists
 /// it, so that its processes are gone when tunnel exits. `Ok(false)` when it
 /// was still listed at the end.
@@ -631,6 +663,7 @@ mod tests {
         for (name, text) in [
             ("batch", batch),
             ("srun", srun_wrapper("12", "gpu01")),
+            ("relay", relay_wrapper("12", "gpu01", 8888)),
             ("path", PATH_FIX.to_string()),
         ] {
             let out = Command::new("/bin/sh")

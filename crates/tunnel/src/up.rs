@@ -276,7 +276,7 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
         route: &route,
         handle,
         session: session_tx,
-        node: None,
+        job: None,
     };
     let result = serve(
         &mut link,
@@ -334,10 +334,18 @@ struct Link<'a> {
     handle: Arc<Handle>,
     /// Publishes the current session to the forwarder.
     session: watch::Sender<Option<Arc<Handle>>>,
-    /// With --slurm: the session with the job's node, which carries the
-    /// forwards (`handle` carries the launcher). Its loss ends the tunnel:
-    /// a job step cannot be reattached.
+    /// With --slurm: how the forwards reach Jupyter in the job. Any loss
+    /// ends the tunnel: a job step cannot be reattached.
+    job: Option<JobLink>,
+}
+
+/// The way to Jupyter in a SLURM job (`up --slurm`).
+struct JobLink {
+    /// The session with the job's node, which carries the forwards (the
+    /// login session carries the launcher); `None` when ssh to the node is
+    /// closed and each connection goes through a relay job step instead.
     node: Option<Arc<Handle>>,
+    way: forward::Way,
 }
 
 /// How a ready tunnel ends without an error.
@@ -458,7 +466,11 @@ async fn serve(
             source,
         })?
         .port();
-    let forwarder = forward::serve(listener, session, remote_port);
+    let way = match &link.job {
+        Some(job) => job.way.clone(),
+        None => forward::Way::Direct(remote_port),
+    };
+    let forwarder = forward::serve(listener, session, way);
     let _forwarder = AbortOnDrop(forwarder);
 
     let remaining = deadline
@@ -516,7 +528,8 @@ async fn serve(
     };
 
     loop {
-        match watch_launcher(&mut remote.launcher, signals, link.node.as_deref()).await {
+        let node = link.job.as_ref().and_then(|j| j.node.as_deref());
+        match watch_launcher(&mut remote.launcher, signals, node).await {
             Watched::Interrupted(sig) => {
                 if args.detach {
                     tracing::info!("{sig}: detaching from jupyter on {}", target.alias);
@@ -545,7 +558,7 @@ async fn serve(
                     how,
                 })
             }
-            Watched::ConnectionLost if link.node.is_some() => {
+            Watched::ConnectionLost if link.job.is_some() => {
                 let job = state.state.slurm.as_ref().map(|j| j.job_id.clone());
                 return Err(SlurmError::ConnectionLost {
                     host: target.alias.clone(),
@@ -912,7 +925,8 @@ async fn in_job(
     let mut launcher = Launcher::start_via(&cx.login, Some(&wrapper), &spec, &token).await?;
 
     // While Jupyter starts, open the way to it: ssh to the node through the
-    // login node, host key and login checked as for any hop.
+    // login node, host key and login checked as for any hop. Where that is
+    // closed, each connection goes through a relay job step instead.
     let node_target = config::resolve_node(cx.ssh_config, &node, cx.local, cx.target)?;
     tracing::info!(
         "connecting to {node} ({}@{} port {}) through {host}",
@@ -922,16 +936,21 @@ async fn in_job(
     );
     let node_handle = tokio::select! {
         r = route::open_through(cx.login.clone(), host, &node_target, args.accept_new) => {
-            r.map_err(|source| SlurmError::Node {
-                job: job.to_string(),
-                node: node.clone(),
-                login: host.clone(),
-                source: Box::new(source),
-            })?
+            match r {
+                Ok(h) => Some(Arc::new(h)),
+                Err(e) => {
+                    tracing::warn!(
+                        "cannot ssh to {node} through {host}: {e}\n  relaying through job \
+                         steps instead (srun on {host}: each new connection takes a moment \
+                         longer). If `ssh {node}` works from {host}, a Host block for {node} \
+                         in your ssh config can set its HostName, Port, User or keys."
+                    );
+                    None
+                }
+            }
         }
         sig = signals.recv() => return Err(UpError::Interrupted(sig)),
     };
-    let node_handle = Arc::new(node_handle);
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout + 5);
     let (port, base_url) =
@@ -943,14 +962,26 @@ async fn in_job(
         port,
         base_url,
     };
-    let (session_tx, session_rx) = watch::channel(Some(node_handle.clone()));
+    let (forward_session, way) = match &node_handle {
+        Some(h) => (h.clone(), forward::Way::Direct(port)),
+        None => (
+            cx.login.clone(),
+            forward::Way::Exec {
+                script: slurm::relay_wrapper(job, &node, port),
+            },
+        ),
+    };
+    let (session_tx, session_rx) = watch::channel(Some(forward_session));
     let mut link = Link {
         args,
         target: &node_target,
         route: cx.route,
         handle: cx.login.clone(),
         session: session_tx,
-        node: Some(node_handle.clone()),
+        job: Some(JobLink {
+            node: node_handle.clone(),
+            way,
+        }),
     };
     let result = serve(
         &mut link,
@@ -968,9 +999,11 @@ async fn in_job(
         // scancel that follows ends the job.
         stop_remote(&mut remote.launcher, &node_target, signals, 0).await;
     }
-    let _ = node_handle
-        .disconnect(russh::Disconnect::ByApplication, "", "en")
-        .await;
+    if let Some(h) = node_handle {
+        let _ = h
+            .disconnect(russh::Disconnect::ByApplication, "", "en")
+            .await;
+    }
     result.map(|_| ())
 }
 
