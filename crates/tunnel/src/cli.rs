@@ -130,8 +130,9 @@ pub struct UpArgs {
     /// HOST is a SLURM login node: submit a job with these sbatch options
     /// (e.g. "-p gpu --gres=gpu:1 --time=02:00:00"), wait for it to run,
     /// start Jupyter inside it on its node and forward it through the login
-    /// node (ssh to the node as one more hop). Ctrl-C or `tunnel down`
-    /// cancels the job.
+    /// node (ssh to the node as one more hop, or a relay job step per
+    /// connection where that is closed). Ctrl-C or `tunnel down` cancels
+    /// the job.
     #[arg(
         long,
         value_name = "SBATCH ARGS",
