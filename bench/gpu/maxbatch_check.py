@@ -9,7 +9,8 @@ recommendation; memory after. Lightning's own BatchSizeFinder runs on the same a
 the same run where lightning (and torchvision, for ResNet-50) is installed. Writes
 $OUT/maxbatch_check.json and prints a table.
 
-Usage (repo root, on the GPU machine): python3 bench/gpu/maxbatch_check.py [--quick]
+Usage (repo root, on the GPU machine): python3 bench/gpu/maxbatch_check.py [--quick] [--ours-only]
+(--quick: ResNet-50 fp32 only; --ours-only: our search alone, for looking at its trials)
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ def call(request: dict) -> dict:
 
     def on_event(event: bytes, _data) -> int:
         e = json.loads(event)
-        print(f"    trial batch {e['batch']:>6}: {e['outcome']} fits={e['fits']} {e['ms']:.0f} ms",
-              file=sys.stderr, flush=True)
+        print(f"    event {json.dumps(e)}", file=sys.stderr, flush=True)
         return 0
 
     callback = PROGRESS(on_event)
@@ -65,6 +65,7 @@ def setup(model: dict, **kw) -> dict:
     return base
 
 
+OURS_ONLY = False
 EXPORT_MODULE = ROOT / "crates/gpukernel/src/magics/export_module.py"
 
 
@@ -152,8 +153,9 @@ def evaluate(name: str, config: dict, lightning: tuple[str, str] | None,
     # As %maxbatch runs it by default: within 1% of the true maximum.
     ours = fresh({"op": "max_batch", **config, "tolerance": 0.01})
     row["ours_wall_s"] = time.perf_counter() - t0
-    if "error" in ours:
-        row["error"] = ours["error"]
+    if "error" in ours or OURS_ONLY:
+        row.update(ours=ours)
+        row["error"] = ours.get("error")
         return row
     report = ours["ok"]
     search = report["search"]
@@ -208,6 +210,8 @@ def main() -> int:
         print(json.dumps(lightning_finder(sys.argv[2], sys.argv[3])))
         return 0
     quick = "--quick" in sys.argv
+    global OURS_ONLY
+    OURS_ONLY = "--ours-only" in sys.argv
     import torch
     lib = str(Path(torch.__file__).parent / "lib")
     if lib not in os.environ.get("LD_LIBRARY_PATH", ""):

@@ -257,6 +257,10 @@ struct TrialRun {
     outcome: Outcome,
     /// The cache's reserved peak (what the device had to hold).
     reserved_peak: u64,
+    /// Peaks of the blocks in use and of the free pieces of split blocks (which the cache
+    /// cannot give back while the rest of their segment is in use).
+    active_peak: u64,
+    inactive_split_peak: u64,
     ms: f64,
 }
 
@@ -292,6 +296,8 @@ fn trial(
         _ if oom => Ok(TrialRun {
             outcome: Outcome::OutOfMemory,
             reserved_peak: 0,
+            active_peak: 0,
+            inactive_split_peak: 0,
             ms,
         }),
         Ok(Ok(())) => {
@@ -299,8 +305,11 @@ fn trial(
             Ok(TrialRun {
                 outcome: Outcome::Ran {
                     peak: stats.allocated_bytes.peak.max(0) as u64,
+                    reserved: stats.reserved_bytes.peak.max(0) as u64,
                 },
                 reserved_peak: stats.reserved_bytes.peak.max(0) as u64,
+                active_peak: stats.active_bytes.peak.max(0) as u64,
+                inactive_split_peak: stats.inactive_split_bytes.peak.max(0) as u64,
                 ms,
             })
         }
@@ -513,8 +522,10 @@ pub fn run(
             reserved.push((batch, run.reserved_peak));
         }
         let event = serde_json::json!({"event": "trial", "batch": batch, "outcome": run.outcome,
-                                       "fits": matches!(run.outcome, Outcome::Ran{peak} if peak <= limit),
+                                       "fits": matches!(run.outcome, Outcome::Ran{peak, ..} if peak <= limit),
                                        "reserved_peak": run.reserved_peak,
+                                       "active_peak": run.active_peak,
+                                       "inactive_split_peak": run.inactive_split_peak,
                                        "ms": run.ms, "limit": limit});
         if progress(&event.to_string()) {
             return Err(Stop::Cancelled);
