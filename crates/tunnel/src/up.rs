@@ -838,24 +838,34 @@ async fn slurm_up(
     let result = match result {
         // Jupyter's launcher ended under us: most often the job itself
         // ended (time limit, scancel from elsewhere). Say which.
-        Err(UpError::LauncherEnded { how, .. } | UpError::JupyterStopped { status: how, .. })
-            if !cx.login.is_closed() =>
-        {
-            let seen = match slurm::query(&cx.login, host, &job).await {
-                Ok(Some(st)) => format!("{}; Jupyter's step ended with {how}", st.describe()),
-                Ok(None) => format!("squeue no longer lists it; Jupyter's step ended with {how}"),
-                Err(e) => format!("Jupyter's step ended with {how}; squeue: {e}"),
-            };
-            Err(SlurmError::Ended {
-                job: job.clone(),
-                how: seen,
+        Err(e) if !cx.login.is_closed() => match step_end(&e) {
+            Some(how) => {
+                let seen = match slurm::query(&cx.login, host, &job).await {
+                    Ok(Some(st)) => format!("{}; {how}", st.describe()),
+                    Ok(None) => format!("squeue no longer lists it; {how}"),
+                    Err(q) => format!("{how}; squeue: {q}"),
+                };
+                Err(SlurmError::Ended {
+                    job: job.clone(),
+                    how: seen,
+                }
+                .into())
             }
-            .into())
-        }
+            None => Err(e),
+        },
         other => other,
     };
     cancel_job(cx, &job, signals).await;
     result
+}
+
+/// How Jupyter's job step ended, when that is what `e` reports.
+fn step_end(e: &UpError) -> Option<String> {
+    match e {
+        UpError::JupyterStopped { status, .. } => Some(format!("Jupyter exited with {status}")),
+        UpError::LauncherEnded { how, .. } => Some(format!("Jupyter's step ended ({how})")),
+        _ => None,
+    }
 }
 
 /// Wait for the job, start Jupyter in it, reach its node and serve.
