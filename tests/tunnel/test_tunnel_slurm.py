@@ -319,3 +319,17 @@ def test_a_killed_client_leaves_no_job_behind(up, cluster, tunnel_bin, state_dir
     assert cluster.wait_no_jobs(30), cluster.jobs()
     assert cluster.job_pids() == [] and not alive(jupyter_pid)
     assert f"JobId={job} " in cluster.jobcomp_log.read_text()
+
+
+def test_a_job_ended_from_outside_ends_the_tunnel_with_its_state(up, cluster, tunnel_bin,
+                                                                  state_dir):
+    t = up("--time=5", "--app", "server")
+    t.wait_url(120)
+    job = job_of(t)
+    jupyter_pid = status_json(tunnel_bin, state_dir)["remote_pid"]
+    # What a time limit or an admin's scancel does to the job under the tunnel.
+    cluster.run("scancel", job)
+    assert t.wait(60) == EXIT_SLURM, t.stderr
+    assert f"job {job} ended while Jupyter ran in it" in t.stderr, t.stderr
+    assert cluster.wait_no_jobs(20) and cluster.job_pids() == []
+    assert not alive(jupyter_pid)
