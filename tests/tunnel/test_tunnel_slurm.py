@@ -311,13 +311,15 @@ def test_a_killed_client_leaves_no_job_behind(up, cluster, tunnel_bin, state_dir
     t = up("--time=5", "--app", "server")
     t.wait_url(120)
     job = job_of(t)
-    jupyter_pid = status_json(tunnel_bin, state_dir)["remote_pid"]
+    st = status_json(tunnel_bin, state_dir)
+    jupyter_pid, rt = st["remote_pid"], st["remote_runtime_dir"]
     # No goodbye, no scancel: the login connection just closes. srun's stdin
     # ends, the launcher stops Jupyter, and the batch script ends the job.
     t.signal(signal.SIGKILL)
     t.wait()
     assert cluster.wait_no_jobs(30), cluster.jobs()
     assert cluster.job_pids() == [] and not alive(jupyter_pid)
+    assert wait_until(lambda: not Path(rt).exists(), 10), os.listdir(rt)
     assert f"JobId={job} " in cluster.jobcomp_log.read_text()
 
 
@@ -326,10 +328,15 @@ def test_a_job_ended_from_outside_ends_the_tunnel_with_its_state(up, cluster, tu
     t = up("--time=5", "--app", "server")
     t.wait_url(120)
     job = job_of(t)
-    jupyter_pid = status_json(tunnel_bin, state_dir)["remote_pid"]
+    st = status_json(tunnel_bin, state_dir)
+    jupyter_pid, rt = st["remote_pid"], st["remote_runtime_dir"]
     # What a time limit or an admin's scancel does to the job under the tunnel.
     cluster.run("scancel", job)
     assert t.wait(60) == EXIT_SLURM, t.stderr
     assert f"job {job} ended while Jupyter ran in it" in t.stderr, t.stderr
     assert cluster.wait_no_jobs(20) and cluster.job_pids() == []
-    assert not alive(jupyter_pid)
+    # SIGTERM from slurm; the job may leave squeue while Jupyter is exiting.
+    assert wait_until(lambda: not alive(jupyter_pid), 10)
+    # Killed before it could clean up, the launcher left its runtime
+    # directory to the batch script, which removed it.
+    assert wait_until(lambda: not Path(rt).exists(), 10), os.listdir(rt)

@@ -5,11 +5,21 @@
 # ends when that step's launcher does (Ctrl-C, `tunnel down`, lost client),
 # or when none starts within the grace time (the client went away while the
 # job was pending), so a forgotten job does not sit on a GPU until its limit.
-# The step writes its launcher's pid to $f; the file's name is unique to this
-# submission (job ids can repeat, e.g. after a controller reset).
+# The step writes its launcher's pid and runtime directory to $f; the file's
+# name is unique to this submission (job ids can repeat, e.g. after a
+# controller reset).
 grace=TUNNEL_GRACE_SECS
 f=${TMPDIR:-/tmp}/tunnel-slurm-$SLURM_JOB_ID.TUNNEL_STEP_KEY
-trap 'rm -f "$f"; exit 0' TERM INT HUP
+# The launcher removes its runtime directory when it stops Jupyter, unless
+# it is killed first (scancel, the time limit, srun gone): then this does.
+cleanup() {
+  if [ -s "$f" ]; then
+    read -r pid rt <"$f"
+    case ${rt:-} in */tunnel-jupyter.*) rm -rf "$rt" ;; esac
+  fi
+  rm -f "$f"
+}
+trap 'cleanup; exit 0' TERM INT HUP
 waited=0
 while [ ! -s "$f" ]; do
   [ "$waited" -ge "$grace" ] && exit 0
@@ -18,9 +28,9 @@ while [ ! -s "$f" ]; do
   wait $!
   waited=$((waited + 1))
 done
-read -r pid <"$f"
+read -r pid rt <"$f"
 while kill -0 "$pid" 2>/dev/null; do
   sleep 2 &
   wait $!
 done
-rm -f "$f"
+cleanup

@@ -20,9 +20,10 @@ chmod 700 "$TUNNEL_RT"
 tunnel_say "runtime $TUNNEL_RT"
 # In a SLURM job step (tunnel up --slurm), the job's batch script holds the
 # allocation for as long as this process lives (the execs below keep its pid):
-# tell it which pid to watch. No secret here.
+# tell it which pid to watch, and which runtime directory to remove if this
+# process is killed before it can. No secret here.
 if [ -n "${TUNNEL_SLURM:-}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
-  printf '%s\n' "$$" >"${TMPDIR:-/tmp}/tunnel-slurm-$SLURM_JOB_ID.$TUNNEL_SLURM"
+  printf '%s %s\n' "$$" "$TUNNEL_RT" >"${TMPDIR:-/tmp}/tunnel-slurm-$SLURM_JOB_ID.$TUNNEL_SLURM"
 fi
 export TUNNEL_RT TUNNEL_MAIN TUNNEL_INIT TUNNEL_ENV TUNNEL_DIR TUNNEL_APP TUNNEL_PORT TUNNEL_LINGER TUNNEL_TIMEOUT TUNNEL_SLURM
 # The user's login shell sets up PATH, modules, etc. as an interactive ssh
