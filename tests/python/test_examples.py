@@ -33,7 +33,7 @@ def test_gpu_magics_notebook_runs():
 def test_gpu_python_notebook_runs():
     nb = run("gpu-python.ipynb")
     code = [c for c in nb.cells if c.cell_type == "code"]
-    help_out, before, torch_out, after, mixed, freed, emptied = (c.outputs for c in code)
+    help_out, before, torch_out, after, mixed, freed, emptied, _, sized = (c.outputs for c in code)
     assert "%gpumem" in help_out[0]["data"]["text/plain"]
     assert "torch not imported" in before[0]["data"]["text/plain"]
     # (torch may warn on stderr that numpy is missing; only stdout matters here)
@@ -44,4 +44,7 @@ def test_gpu_python_notebook_runs():
     assert mixed[1]["data"]["application/json"]["python_kernel"]["torch"]["imported"] is True
     assert freed[0]["text"] == "freed\n"
     assert "Python kernel" in emptied[0]["data"]["text/plain"]
-    assert [c.execution_count for c in code] == [1, 2, 3, 4, 5, 6, 7]
+    sized_text = "".join(o.get("text", "") for o in sized if o.get("name") == "stdout")
+    assert "model (1290 parameters) saved as TorchScript by torch.jit.script" in sized_text
+    assert "one training step of batch 1 ran on the CPU" in sized_text  # CI has no GPU
+    assert [c.execution_count for c in code] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
