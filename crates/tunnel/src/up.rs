@@ -130,6 +130,21 @@ struct Remote {
     base_url: String,
 }
 
+/// What the launcher is asked to start, from the command line (`slurm`: the step key when
+/// Jupyter runs as a job step).
+fn launch_spec(args: &UpArgs, slurm: Option<String>) -> LaunchSpec {
+    LaunchSpec {
+        app: args.app,
+        env: args.env.clone(),
+        init: args.init.clone(),
+        dir: args.dir.clone(),
+        port_hint: args.port.unwrap_or(PORT_HINT),
+        linger_secs: args.linger,
+        timeout_secs: args.timeout,
+        slurm,
+    }
+}
+
 pub async fn run(args: UpArgs) -> Result<(), UpError> {
     let mut signals = Interrupts::install().map_err(UpError::Signals)?;
     let local = LocalUser::current()?;
@@ -235,16 +250,7 @@ pub async fn run(args: UpArgs) -> Result<(), UpError> {
         Some(r) => r,
         None => {
             let token = Token::generate().map_err(UpError::Random)?;
-            let spec = LaunchSpec {
-                app: args.app,
-                env: args.env.clone(),
-                init: args.init.clone(),
-                dir: args.dir.clone(),
-                port_hint: args.port.unwrap_or(PORT_HINT),
-                linger_secs: args.linger,
-                timeout_secs: args.timeout,
-                slurm: None,
-            };
+            let spec = launch_spec(&args, None);
             tracing::info!(
                 "starting jupyter {} on {}",
                 args.app.subcommand(),
@@ -917,16 +923,7 @@ async fn in_job(
     }
 
     let token = Token::generate().map_err(UpError::Random)?;
-    let spec = LaunchSpec {
-        app: args.app,
-        env: args.env.clone(),
-        init: args.init.clone(),
-        dir: args.dir.clone(),
-        port_hint: args.port.unwrap_or(PORT_HINT),
-        linger_secs: args.linger,
-        timeout_secs: args.timeout,
-        slurm: Some(step_key.to_string()),
-    };
+    let spec = launch_spec(args, Some(step_key.to_string()));
     tracing::info!(
         "starting jupyter {} in job {job} on {node}",
         args.app.subcommand()
