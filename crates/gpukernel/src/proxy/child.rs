@@ -87,23 +87,67 @@ async fn connect<S: Socket>(mut socket: S, port: u16) -> Result<S> {
     Ok(socket)
 }
 
+/// How many times a child that exits during start-up is started again on fresh ports. The
+/// ports are picked free but released before the child binds them, so another process can
+/// take one in between (ipykernel then exits with "Address already in use"); a child that is
+/// really broken fails every attempt and the last error is reported.
+const START_ATTEMPTS: usize = 3;
+
+/// Why one start attempt failed.
+enum StartFailure {
+    /// The child exited before binding (status text): worth another attempt.
+    Exited(String),
+    Other(anyhow::Error),
+}
+
+impl<E: Into<anyhow::Error>> From<E> for StartFailure {
+    fn from(e: E) -> Self {
+        StartFailure::Other(e.into())
+    }
+}
+
 /// Starts the child from `argv` with the same key, and connects to it. In `argv`,
 /// `{child_connection_file}` (and our own connection file's path, which Jupyter substitutes
-/// for `{connection_file}`) become the child's connection file. Fails if the child exits or
-/// does not bind within the start timeout.
+/// for `{connection_file}`) become the child's connection file. Fails if the child exits
+/// during start-up [`START_ATTEMPTS`] times or does not bind within the start timeout.
 pub async fn start(
     argv: &[String],
     key: &str,
     scheme: &str,
     own_connection_file: &Path,
 ) -> Result<(Child, ChildSockets)> {
+    let mut attempt = 1;
+    loop {
+        match start_once(argv, key, scheme, own_connection_file).await {
+            Ok(started) => return Ok(started),
+            Err(StartFailure::Exited(status)) if attempt < START_ATTEMPTS => {
+                tracing::warn!(
+                    "the child kernel exited during start-up ({status}); starting it again \
+                     on fresh ports ({attempt} of {START_ATTEMPTS})"
+                );
+                attempt += 1;
+            }
+            Err(StartFailure::Exited(status)) => {
+                bail!("the child kernel exited during start-up ({status}); see its messages above")
+            }
+            Err(StartFailure::Other(e)) => return Err(e),
+        }
+    }
+}
+
+async fn start_once(
+    argv: &[String],
+    key: &str,
+    scheme: &str,
+    own_connection_file: &Path,
+) -> Result<(Child, ChildSockets), StartFailure> {
     let dir = own_connection_file
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     let own = own_connection_file.display().to_string();
     let Some(program) = argv.first() else {
-        bail!("no child kernel command given");
+        return Err(anyhow::anyhow!("no child kernel command given").into());
     };
     let (connection_file, ports) = write_connection_file(dir, key, scheme)?;
     let file_arg = connection_file.display().to_string();
@@ -154,11 +198,17 @@ pub async fn start(
     let sockets = tokio::select! {
         sockets = tokio::time::timeout(START_TIMEOUT, connecting) => match sockets {
             Ok(sockets) => sockets?,
-            Err(_) => bail!("the child kernel did not start within {} s", START_TIMEOUT.as_secs()),
+            Err(_) => {
+                return Err(anyhow::anyhow!(
+                    "the child kernel did not start within {} s",
+                    START_TIMEOUT.as_secs()
+                )
+                .into())
+            }
         },
         status = child.process.wait() => {
             let status = status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
-            bail!("the child kernel exited during start-up ({status}); see its messages above")
+            return Err(StartFailure::Exited(status));
         }
     };
     Ok((child, sockets))
