@@ -239,18 +239,16 @@ def test_watch_gauge_updates_while_python_runs(proxy):
     assert stream_text(outputs) == "No GPU gauge is running.\n"
 
 
-def _child_spec(tmp_path, name: str, child_argv: list[str]) -> None:
+def _child_spec(gpukernel: Path, name: str, child_argv: list[str]) -> None:
     """A kernelspec in the tests' JUPYTER_PATH whose Python kernel is `child_argv`."""
-    from conftest import GPUKERNEL
-
     spec_dir = Path(os.environ["JUPYTER_PATH"]) / "kernels" / name
     spec_dir.mkdir(parents=True)
     (spec_dir / "kernel.json").write_text(json.dumps({
-        "argv": [str(GPUKERNEL), "run", "-f", "{connection_file}", "--", *child_argv],
+        "argv": [str(gpukernel), "run", "-f", "{connection_file}", "--", *child_argv],
         "display_name": name, "language": "python", "interrupt_mode": "message"}))
 
 
-def test_a_child_that_loses_its_port_at_start_up_is_started_again(tmp_path):
+def test_a_child_that_loses_its_port_at_start_up_is_started_again(tmp_path, gpukernel):
     """The child's ports are picked free and released before it binds them, so another
     process can take one in between. Here the first start finds its shell port taken (a real
     listener bound to it), exits with "Address already in use", and gpukernel starts it again
@@ -267,7 +265,7 @@ def test_a_child_that_loses_its_port_at_start_up_is_started_again(tmp_path):
         "    squatter.set_inheritable(True)  # still bound when ipykernel tries the port\n"
         "os.execv(sys.executable, [sys.executable, '-m', 'ipykernel_launcher', '-f', sys.argv[1]])\n")
     name = f"retry-{os.getpid()}"
-    _child_spec(tmp_path, name, [sys.executable, str(wrapper), "{child_connection_file}"])
+    _child_spec(gpukernel, name, [sys.executable, str(wrapper), "{child_connection_file}"])
     try:
         with running_kernel(name) as (km, kc):
             reply, outputs = execute(kc, "print(6 * 7)")
@@ -277,18 +275,17 @@ def test_a_child_that_loses_its_port_at_start_up_is_started_again(tmp_path):
         shutil.rmtree(Path(os.environ["JUPYTER_PATH"]) / "kernels" / name)
 
 
-def test_a_child_that_never_starts_is_reported_after_three_attempts(tmp_path):
+def test_a_child_that_never_starts_is_reported_after_three_attempts(tmp_path, gpukernel):
     counter = tmp_path / "starts"
     wrapper = tmp_path / "child.sh"
     wrapper.write_text(f"#!/bin/sh\necho start >> {counter}\necho 'no python here' >&2\nexit 3\n")
     wrapper.chmod(0o755)
-    from conftest import GPUKERNEL
 
     conn = tmp_path / "kernel.json"
     conn.write_text(json.dumps({"ip": "127.0.0.1", "transport": "tcp", "shell_port": 0,
                                 "iopub_port": 0, "stdin_port": 0, "control_port": 0,
                                 "hb_port": 0, "key": "k", "signature_scheme": "hmac-sha256"}))
-    out = subprocess.run([str(GPUKERNEL), "run", "-f", str(conn), "--", str(wrapper)],
+    out = subprocess.run([str(gpukernel), "run", "-f", str(conn), "--", str(wrapper)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "exited during start-up (exit status: 3)" in out.stderr, out.stderr
