@@ -33,12 +33,8 @@ def jupyter_prefix() -> Path:
 @pytest.fixture
 def sshd(tmp_path):
     """A fresh sshd; on teardown it and everything started through it is killed."""
-    server = Sshd(tmp_path / "sshd")
-    server.start()
-    try:
+    with Sshd(tmp_path / "sshd") as server:
         yield server
-    finally:
-        server.cleanup()
 
 
 @pytest.fixture

@@ -50,12 +50,8 @@ def wrong_code() -> str:
 
 @pytest.fixture
 def totp_sshd(tmp_path):
-    server = Sshd(tmp_path / "sshd-2fa", totp_secret=SECRET)
-    server.start()
-    try:
+    with Sshd(tmp_path / "sshd-2fa", totp_secret=SECRET) as server:
         yield server
-    finally:
-        server.cleanup()
 
 
 @pytest.fixture

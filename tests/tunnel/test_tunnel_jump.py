@@ -7,7 +7,7 @@ import requests
 
 from sshd import Sshd
 from tunnel_harness import (
-    EXIT, _socket_inodes, port_of, run_tunnel, token_of,
+    EXIT, established_to, port_of, run_tunnel, token_of,
 )
 
 
@@ -31,21 +31,6 @@ def route_config(tmp_path, sshd, j1, j2, proxy_jump: str | None):
     cfg = tmp_path / "route_config"
     cfg.write_text(text)
     return cfg
-
-
-def established_to(port: int, pids) -> bool:
-    """Whether one of pids holds an established TCP connection to 127.0.0.1:port."""
-    inodes = set()
-    for p in pids:
-        inodes |= _socket_inodes(p)
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            fields = line.split()
-            remote, st, inode = fields[2], fields[3], int(fields[9])
-            if st == "01" and inode in inodes and int(remote.split(":")[1], 16) == port:
-                return True
-    return False
 
 
 def test_proxy_jump_through_two_hosts(tunnel, sshd, jumps, tmp_path):

@@ -123,16 +123,12 @@ def netns():
 @pytest.fixture
 def sshd(tmp_path, netns):
     """The sshd of this module runs in the namespace (overrides conftest's)."""
-    server = Sshd(tmp_path / "sshd", listen_host=netns.ns_addr,
-                  command_prefix=["ip", "netns", "exec", netns.name])
-    server.start()
-    # No ConnectTimeout (nor ServerAlive*): tunnel's own defaults must cope,
-    # as they do for a user whose ssh config says nothing about them.
-    server.ssh_config.write_text(server.client_config(ConnectTimeout=None))
-    try:
+    with Sshd(tmp_path / "sshd", listen_host=netns.ns_addr,
+              command_prefix=["ip", "netns", "exec", netns.name]) as server:
+        # No ConnectTimeout (nor ServerAlive*): tunnel's own defaults must cope,
+        # as they do for a user whose ssh config says nothing about them.
+        server.ssh_config.write_text(server.client_config(ConnectTimeout=None))
         yield server
-    finally:
-        server.cleanup()
 
 
 def user_lines(t, since: int) -> list[str]:

@@ -20,7 +20,7 @@ from slurm import SlurmCluster, available
 from sshd import Sshd
 from test_tunnel_up import execute, start_kernel
 from tunnel_harness import (
-    EXIT, Tunnel, _socket_inodes, alive, cmdlines_containing, files_containing, is_loopback,
+    EXIT, Tunnel, alive, established_to, cmdlines_containing, files_containing, is_loopback,
     listening_sockets, port_of, processes_of_runtime_dir, run_tunnel, token_of, wait_until,
 )
 
@@ -35,35 +35,24 @@ EXIT_INTERRUPTED = 130
 def cluster(tmp_path_factory):
     """One cluster for the module (starting it takes a few seconds); every test
     leaves its queue empty, and a failed one has its jobs cancelled."""
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    c.start()
-    try:
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as c:
         yield c
-    finally:
-        c.cleanup()
 
 
 @pytest.fixture
 def login(tmp_path, cluster):
     """The login node: its sessions find the cluster through SLURM_CONF, as a
     real login node's find /etc/slurm/slurm.conf."""
-    s = Sshd(tmp_path / "login", alias="login", extra_sshd_config=f"SetEnv SLURM_CONF={cluster.conf}")
-    s.start()
-    try:
+    with Sshd(tmp_path / "login", alias="login",
+              extra_sshd_config=f"SetEnv SLURM_CONF={cluster.conf}") as s:
         yield s
-    finally:
-        s.cleanup()
 
 
 @pytest.fixture
 def node_sshd(tmp_path, cluster):
     """The compute node's sshd, reached by name (gpunode1) through the login node."""
-    s = Sshd(tmp_path / "node", alias=cluster.node)
-    s.start()
-    try:
+    with Sshd(tmp_path / "node", alias=cluster.node) as s:
         yield s
-    finally:
-        s.cleanup()
 
 
 @pytest.fixture
@@ -106,21 +95,6 @@ def job_of(t: Tunnel) -> str:
         if "submitted" in line and "job " in line:
             return line.split("job ", 1)[1].split()[0]
     raise AssertionError(f"no job id in:\n{t.stderr}")
-
-
-def connected_to(port: int, pids) -> bool:
-    """Whether one of pids holds an established TCP connection to 127.0.0.1:port."""
-    inodes = set()
-    for p in pids:
-        inodes |= _socket_inodes(p)
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            fields = line.split()
-            remote, st, inode = fields[2], fields[3], int(fields[9])
-            if st == "01" and inode in inodes and int(remote.split(":")[1], 16) == port:
-                return True
-    return False
 
 
 def test_jupyter_runs_in_the_job_through_the_login_node_and_ctrl_c_cancels_it(
@@ -173,7 +147,7 @@ def test_jupyter_runs_in_the_job_through_the_login_node_and_ctrl_c_cancels_it(
     assert any(p == st["remote_port"] for _, p in listening_sockets(jupyter_pid))
     # The forward's way in: the node's sshd (reached through the login node's)
     # holds the connection to Jupyter's port.
-    assert connected_to(st["remote_port"], node_sshd.session_pids())
+    assert established_to(st["remote_port"], node_sshd.session_pids())
     assert "Accepted publickey" in node_sshd.log.read_text()
 
     # The token: in no job record, job script, command line or log; only in

@@ -284,6 +284,21 @@ def listening_sockets(pid: int) -> list[tuple[str, int]]:
     return out
 
 
+def established_to(port: int, pids) -> bool:
+    """Whether one of pids holds an established TCP connection to 127.0.0.1:port."""
+    inodes = set()
+    for p in pids:
+        inodes |= _socket_inodes(p)
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            fields = line.split()
+            remote, st, inode = fields[2], fields[3], int(fields[9])
+            if st == "01" and inode in inodes and int(remote.split(":")[1], 16) == port:
+                return True
+    return False
+
+
 def is_loopback(addr: str) -> bool:
     import ipaddress
     ip = ipaddress.ip_address(addr)

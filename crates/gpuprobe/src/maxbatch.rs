@@ -203,26 +203,27 @@ impl Trainer {
 
     /// One full step: forward, and unless `inference`, backward and the optimizer's update.
     /// The optimizer state is allocated by a real step, so it counts in the fixed part.
+    /// The forward pass, autocast with `--amp`. Autocast covers the forward pass only, as
+    /// torch.autocast is used in training loops: backward runs in the dtypes it chose.
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, String> {
+        let _amp = match self.amp {
+            Some(p) => Some(
+                allocator::Autocast::enter(self.device.is_cuda(), p == Precision::Bf16)
+                    .map_err(|e| e.to_string())?,
+            ),
+            None => None,
+        };
+        self.model.forward(x, train)
+    }
+
     fn step(&mut self, batch: u64) -> Result<(), String> {
         let x = self.batch_input(batch)?;
-        // Autocast covers the forward pass only, as torch.autocast is used in training loops:
-        // backward runs in the dtypes the forward chose.
-        let forward = |train: bool| -> Result<Tensor, String> {
-            let _amp = match self.amp {
-                Some(p) => Some(
-                    allocator::Autocast::enter(self.device.is_cuda(), p == Precision::Bf16)
-                        .map_err(|e| e.to_string())?,
-                ),
-                None => None,
-            };
-            self.model.forward(&x, train)
-        };
         if self.inference {
             let _guard = tch::no_grad_guard();
-            drop(forward(false)?);
+            drop(self.forward(&x, false)?);
             return Ok(());
         }
-        let y = forward(true)?;
+        let y = self.forward(&x, true)?;
         let loss = y.f_mean(Kind::Float).map_err(torch_err)?;
         loss.f_backward().map_err(torch_err)?;
         if let Some(optimizer) = &mut self.optimizer {
@@ -339,15 +340,16 @@ impl Budget {
         let stats = allocator::device_stats(device).map_err(|e| e.to_string())?;
         let reserved = stats.reserved_bytes.current.max(0) as u64;
         let available = reserved.saturating_add(stats.free);
-        let context = own_context_bytes(reserved);
         let Some(card) = request.limit else {
             return Ok(Self {
                 device,
                 bytes: available,
-                context,
+                context: None,
                 capped: false,
             });
         };
+        // Only a card size needs the context taken off (an NVML query).
+        let context = own_context_bytes(reserved);
         let bytes = card.saturating_sub(context.unwrap_or(0));
         if bytes > available {
             return Err(format!(
@@ -407,9 +409,8 @@ pub fn steps(setup: &MaxBatchRequest, batch: u64, count: u32) -> Result<serde_js
     let mut oom = false;
     for _ in 0..count {
         match trial(&mut trainer, device, batch, 1, false)?.outcome {
-            Outcome::Ran { .. } => {
-                let stats = allocator::device_stats(device).map_err(|e| e.to_string())?;
-                peak = peak.max(stats.reserved_bytes.peak.max(0) as u64);
+            Outcome::Ran { reserved, .. } => {
+                peak = peak.max(reserved);
                 ran += 1;
             }
             Outcome::OutOfMemory => {
@@ -594,7 +595,15 @@ mod tests {
             name: "resnet18".into(),
         });
         r.input = Some(vec![3, 32, 32]);
+        let plain = Trainer::new(&r, Device::Cpu).expect("model");
+        let x = plain.batch_input(2).expect("input");
+        assert_eq!(plain.forward(&x, true).expect("fp32").kind(), Kind::Float);
         r.amp = Some(Precision::Bf16);
+        let mixed = Trainer::new(&r, Device::Cpu).expect("model");
+        assert_eq!(
+            mixed.forward(&x, true).expect("bf16").kind(),
+            Kind::BFloat16
+        );
         validate_on_cpu(&r).expect("bf16 autocast trains on the CPU");
         r.dtype = Some(Precision::Fp16);
         let err = validate_on_cpu(&r).unwrap_err();

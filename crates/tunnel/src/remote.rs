@@ -391,6 +391,20 @@ fn split_lines(partial: &mut Vec<u8>, data: &[u8]) -> Vec<String> {
     lines
 }
 
+/// Test helper: `/bin/sh -n` accepts `text` (a script tunnel sends to a remote shell).
+#[cfg(test)]
+pub(crate) fn assert_sh_parses(name: &str, text: &str) {
+    let out = std::process::Command::new("/bin/sh")
+        .args(["-n", "-c", text])
+        .output()
+        .expect("sh runs");
+    assert!(
+        out.status.success(),
+        "{name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -457,15 +471,7 @@ mod tests {
             ("launch", main.as_str()),
             ("attach", attach.as_str()),
         ] {
-            let out = Command::new("/bin/sh")
-                .args(["-n", "-c", text])
-                .output()
-                .expect("sh runs");
-            assert!(
-                out.status.success(),
-                "{name}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            assert_sh_parses(name, text);
         }
     }
 

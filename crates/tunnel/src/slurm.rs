@@ -598,7 +598,6 @@ pub async fn cancel(handle: &Handle, host: &str, job: &str) -> Result<bool, Slur
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::process::Command;
 
     #[test]
     fn splits_sbatch_args_like_a_shell() {
@@ -666,15 +665,7 @@ mod tests {
             ("relay", relay_wrapper("12", "gpu01", 8888)),
             ("path", PATH_FIX.to_string()),
         ] {
-            let out = Command::new("/bin/sh")
-                .args(["-n", "-c", &text])
-                .output()
-                .expect("sh runs");
-            assert!(
-                out.status.success(),
-                "{name}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            remote::assert_sh_parses(name, &text);
         }
     }
 

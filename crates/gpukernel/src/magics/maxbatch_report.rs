@@ -108,7 +108,7 @@ pub(super) fn summary(
     let search = &report.search;
     let max = search["max_fit"].as_u64();
     let exact = search["exact"] == Value::Bool(true);
-    let settled = exact || search["settled"] == Value::Bool(true);
+    let settled = search["settled"] == Value::Bool(true); // implied by `exact`
     let trials = search["trials"].as_array().cloned().unwrap_or_default();
     let recommended = max.map(|m| gpuprobe::search::recommend(m, args.margin / 100.0));
     let per_sample = search["fit"][1].as_f64();
@@ -313,7 +313,7 @@ mod tests {
         let args = Args::try_parse_from(["%maxbatch", "resnet50", "--margin", "5"]).unwrap();
         let report = MaxBatchReport {
             search: json!({
-                "max_fit": 1705, "min_fail": 1706, "exact": true,
+                "max_fit": 1705, "min_fail": 1706, "exact": true, "settled": true,
                 "fit": [4.0e8, 8.67e7],
                 "trials": [
                     {"batch": 2, "outcome": {"result": "ran", "peak": 573000000u64}, "fits": true},
