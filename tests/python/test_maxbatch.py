@@ -62,7 +62,7 @@ def test_argument_errors_name_the_problem(magics, cell, expected):
     assert expected in reply["content"]["evalue"], reply["content"]["evalue"]
 
 
-EXPORT_MODULE = Path(__file__).resolve().parents[2] / "crates/gpukernel/src/magics/export_module.py"
+EXPORT_MODULE = Path(__file__).resolve().parents[2] / "crates/gpukernel/src/magics/maxbatch/export_module.py"
 
 # A model mid-training: BatchNorm statistics moved, gradients and Adam state present. `Traced`
 # cannot be scripted (a Python lambda in forward), so %maxbatch must trace it, which runs

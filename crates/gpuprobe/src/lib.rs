@@ -4,6 +4,8 @@
 //!   built here runs (and explains itself) on machines with no NVIDIA driver.
 //! - [`process`]: who a pid belongs to and what it runs, read from `/proc`.
 //! - `torch` (cargo feature `torch`): libtorch through tch; serves the plugin's requests.
+//! - [`search`] and [`loss`]: the batch-size search and the loss a trial step computes, pure
+//!   and shared by both `%maxbatch` engines.
 //! - `allocator` (cargo feature `torch`): libtorch's CUDA caching allocator through a small C++
 //!   shim (`shim/`), since tch has no allocator API.
 //!
@@ -12,6 +14,7 @@
 #[cfg(feature = "torch")]
 pub mod allocator;
 pub mod error;
+pub mod loss;
 #[cfg(feature = "torch")]
 pub mod maxbatch;
 pub mod nvml;

@@ -15,6 +15,7 @@
 //! with its real OOMs, not estimated.
 
 use crate::allocator;
+use crate::loss::{self, LossPlan};
 use crate::plugin_api::{
     MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision, ThroughputPoint,
     BUILTIN_MODELS,
@@ -23,7 +24,7 @@ use crate::search::{self, Outcome, SearchConfig, Stop};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 use tch::nn::{self, ModuleT};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind, Reduction, Tensor};
 
 /// A model we can train a step of.
 enum Model {
@@ -101,6 +102,10 @@ struct Trainer {
     dtype: Kind,
     amp: Option<Precision>,
     inference: bool,
+    /// The loss of a training step, planned from the output of a batch of 2.
+    loss: Option<LossPlan>,
+    /// A trial stops at its next step once it has run this long.
+    deadline: Option<std::time::Duration>,
 }
 
 fn torch_err(e: tch::TchError) -> String {
@@ -159,11 +164,63 @@ impl Trainer {
             dtype,
             amp: request.amp,
             inference: request.inference,
+            loss: None,
+            deadline: request
+                .trial_timeout_s
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .map(std::time::Duration::from_secs_f64),
         };
         if !request.inference {
+            trainer.loss = Some(trainer.plan_loss(request)?);
             trainer.optimizer = trainer.make_optimizer(request.optimizer)?;
         }
         Ok(trainer)
+    }
+
+    /// The loss for this model's output (see [`crate::loss`]), from a forward pass of two
+    /// samples without gradients.
+    fn plan_loss(&self, request: &MaxBatchRequest) -> Result<LossPlan, String> {
+        let shape = {
+            let _guard = tch::no_grad_guard();
+            let x = self.batch_input(2)?;
+            let y = catch_unwind(AssertUnwindSafe(|| self.forward(&x, true)))
+                .map_err(|_| "the model's forward pass failed: check --input".to_string())??;
+            y.size()
+        };
+        loss::plan(&shape, request.loss, request.target_classes, self.vocab)
+            .map_err(|e| e.to_string())
+    }
+
+    /// The loss of `y` as planned: random targets of the right shape.
+    fn loss_of(&self, y: &Tensor) -> Result<Tensor, String> {
+        match self.loss.unwrap_or(LossPlan::Mean) {
+            LossPlan::Ce { classes, class_dim } => {
+                let size = y.size();
+                let device = y.device();
+                if class_dim == 1 && size.len() > 2 {
+                    let mut target_shape = vec![size[0]];
+                    target_shape.extend(&size[2..]);
+                    let target =
+                        Tensor::f_randint(classes, target_shape.as_slice(), (Kind::Int64, device))
+                            .map_err(torch_err)?;
+                    y.f_cross_entropy_loss::<Tensor>(&target, None, Reduction::Mean, -100, 0.0)
+                        .map_err(torch_err)
+                } else {
+                    let last = size.last().copied().unwrap_or(1);
+                    let flat = y.f_reshape([-1, last]).map_err(torch_err)?;
+                    let n = flat.size()[0];
+                    let target = Tensor::f_randint(classes, [n], (Kind::Int64, device))
+                        .map_err(torch_err)?;
+                    flat.f_cross_entropy_loss::<Tensor>(&target, None, Reduction::Mean, -100, 0.0)
+                        .map_err(torch_err)
+                }
+            }
+            LossPlan::Mse => {
+                let target = y.f_randn_like().map_err(torch_err)?;
+                y.f_mse_loss(&target, Reduction::Mean).map_err(torch_err)
+            }
+            LossPlan::Mean => y.f_mean(Kind::Float).map_err(torch_err),
+        }
     }
 
     fn parameters(&self) -> Vec<Tensor> {
@@ -206,14 +263,25 @@ impl Trainer {
     /// The forward pass, autocast with `--amp`. Autocast covers the forward pass only, as
     /// torch.autocast is used in training loops: backward runs in the dtypes it chose.
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, String> {
-        let _amp = match self.amp {
-            Some(p) => Some(
-                allocator::Autocast::enter(self.device.is_cuda(), p == Precision::Bf16)
-                    .map_err(|e| e.to_string())?,
-            ),
-            None => None,
-        };
+        let _amp = self.autocast()?;
         self.model.forward(x, train)
+    }
+
+    fn autocast(&self) -> Result<Option<allocator::Autocast>, String> {
+        match self.amp {
+            Some(p) => allocator::Autocast::enter(self.device.is_cuda(), p == Precision::Bf16)
+                .map(Some)
+                .map_err(|e| e.to_string()),
+            None => Ok(None),
+        }
+    }
+
+    /// Forward and loss under autocast, as `with torch.autocast(...)` around both in a
+    /// training loop: cross-entropy then runs its softmax in fp32, as autocast decides.
+    fn forward_loss(&self, x: &Tensor) -> Result<Tensor, String> {
+        let _amp = self.autocast()?;
+        let y = self.model.forward(x, true)?;
+        self.loss_of(&y)
     }
 
     fn step(&mut self, batch: u64) -> Result<(), String> {
@@ -223,8 +291,7 @@ impl Trainer {
             drop(self.forward(&x, false)?);
             return Ok(());
         }
-        let y = self.forward(&x, true)?;
-        let loss = y.f_mean(Kind::Float).map_err(torch_err)?;
+        let loss = self.forward_loss(&x)?;
         loss.f_backward().map_err(torch_err)?;
         if let Some(optimizer) = &mut self.optimizer {
             optimizer.step().map_err(torch_err)?;
@@ -285,7 +352,14 @@ fn trial(
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let result = catch_unwind(AssertUnwindSafe(|| {
-        (0..steps).try_for_each(|_| trainer.step(batch))
+        (0..steps).try_for_each(|done| match trainer.deadline {
+            Some(limit) if done > 0 && start.elapsed() > limit => Err(format!(
+                "the trial at batch {batch} ran past {:.0} s (--trial-timeout) after {done} \
+                 step(s); the libtorch engine stops between steps",
+                limit.as_secs_f64()
+            )),
+            _ => trainer.step(batch),
+        })
     }));
     std::panic::set_hook(hook);
     if trainer.device.is_cuda() {
@@ -399,8 +473,28 @@ fn own_context_bytes(reserved: u64) -> Option<u64> {
     (used > 0).then(|| used.saturating_sub(reserved))
 }
 
+/// TorchScript's graph executor off for this thread while it lives: the module then runs op
+/// by op as eager PyTorch does. Optimised, the executor profiles and re-specialises (and may
+/// fuse and compile) for every new input shape, which is every trial here: slow, worst under
+/// autocast, and its differentiable subgraphs keep other tensors for backward than eager.
+struct Interpreted;
+
+impl Interpreted {
+    fn enter() -> Self {
+        let _ = tch::jit::f_set_graph_executor_optimize(false);
+        Self
+    }
+}
+
+impl Drop for Interpreted {
+    fn drop(&mut self) {
+        let _ = tch::jit::f_set_graph_executor_optimize(true);
+    }
+}
+
 /// Runs `count` steps at `batch` on `setup.device`, stopping at the first OOM.
 pub fn steps(setup: &MaxBatchRequest, batch: u64, count: u32) -> Result<serde_json::Value, String> {
+    let _interpreted = Interpreted::enter();
     let device = setup.device;
     let mut trainer = Trainer::new(setup, Device::Cuda(device))?;
     let budget = Budget::new(setup)?;
@@ -440,6 +534,7 @@ pub fn throughput(
     if !tch::Cuda::is_available() {
         return Err("no CUDA device is visible to libtorch".into());
     }
+    let _interpreted = Interpreted::enter();
     let device = setup.device;
     let mut points = Vec::new();
     for &batch in batches {
@@ -473,12 +568,17 @@ pub fn throughput(
 
 /// Validates model and input with one tiny step on the CPU (no GPU here).
 pub fn validate_on_cpu(request: &MaxBatchRequest) -> Result<String, String> {
+    let _interpreted = Interpreted::enter();
     let mut trainer = Trainer::new(request, Device::Cpu)?;
     catch_unwind(AssertUnwindSafe(|| trainer.step(1)))
         .map_err(|_| "the step failed on the CPU: check the model and --input".to_string())??;
     Ok(format!(
-        "one training step of batch 1 ran on the CPU with input {:?}",
-        trainer.input
+        "one training step of batch 1 ran on the CPU with input {:?}{}",
+        trainer.input,
+        trainer
+            .loss
+            .map(|l| format!(", loss {l}"))
+            .unwrap_or_default()
     ))
 }
 
@@ -498,10 +598,11 @@ pub fn run(
     // fresh model with no gradients or optimizer state, as a training run does: state that
     // the first step allocates among its activations fragments the cache differently from
     // state carried over from a smaller trial.
-    let (baseline, budget) = {
-        let _probe_build = Trainer::new(request, Device::Cuda(device))?;
+    let _interpreted = Interpreted::enter();
+    let (baseline, budget, loss_plan) = {
+        let probe_build = Trainer::new(request, Device::Cuda(device))?;
         let stats = allocator::device_stats(device).map_err(|e| e.to_string())?;
-        (stats, Budget::new(request)?)
+        (stats, Budget::new(request)?, probe_build.loss)
     };
     let limit = budget.bytes;
     let config = SearchConfig {
@@ -514,6 +615,10 @@ pub fn run(
     let mut durations: Vec<(u64, f64)> = Vec::new();
     let mut reserved: Vec<(u64, u64)> = Vec::new();
     let probe = |batch: u64| -> Result<Outcome, Stop> {
+        let start = serde_json::json!({"event": "trial_start", "batch": batch});
+        if progress(&start.to_string()) {
+            return Err(Stop::Cancelled);
+        }
         let mut trainer = Trainer::new(request, Device::Cuda(device)).map_err(Stop::Failed)?;
         let run =
             trial(&mut trainer, device, batch, STEPS_PER_TRIAL, true).map_err(Stop::Failed)?;
@@ -543,7 +648,8 @@ pub fn run(
     let _ = allocator::empty_cache();
     let after = allocator::device_stats(device).map_err(|e| e.to_string())?;
     Ok(MaxBatchReport {
-        search: serde_json::to_value(&result).map_err(|e| e.to_string())?,
+        search: result,
+        loss: loss_plan,
         limit,
         context_bytes,
         baseline_allocated: baseline.allocated_bytes.current.max(0) as u64,
@@ -576,6 +682,9 @@ mod tests {
             tolerance: 0.0,
             amp: None,
             baseline_search: false,
+            loss: None,
+            target_classes: None,
+            trial_timeout_s: None,
         }
     }
 

@@ -45,7 +45,8 @@ pub enum Request {
     /// is a `Failure` of kind `"out_of_memory"`; replies with [`AllocatorStats`] after.
     TryAllocate { device: usize, bytes: u64 },
     /// `%maxbatch`: search for the largest batch that fits; progress events are
-    /// `{"event":"trial", "batch", "outcome", "fits", "ms", "limit"}`. Replies [`MaxBatchReport`].
+    /// `{"event":"trial_start", "batch"}` before each trial and `{"event":"trial", "batch",
+    /// "outcome", "fits", "ms", "limit"}` after it. Replies [`MaxBatchReport`].
     MaxBatch(MaxBatchRequest),
     /// Builds the model and runs one step of batch 1 on the CPU (no GPU here). Replies a
     /// sentence saying what ran.
@@ -159,13 +160,25 @@ pub struct MaxBatchRequest {
     /// Run Lightning's double-then-bisect instead (for benchmarks).
     #[serde(default)]
     pub baseline_search: bool,
+    /// The loss of the training step (`None`: inferred from the output, see [`crate::loss`]).
+    #[serde(default)]
+    pub loss: Option<crate::loss::LossKind>,
+    /// The number of classes the loss's targets range over, which also picks the dimension.
+    #[serde(default)]
+    pub target_classes: Option<i64>,
+    /// A trial still running after this many seconds stops at its next step and fails the
+    /// search with a message (a single libtorch op cannot be interrupted).
+    #[serde(default)]
+    pub trial_timeout_s: Option<f64>,
 }
 
 /// The result of [`Request::MaxBatch`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MaxBatchReport {
-    /// `crate::search::SearchResult` as JSON.
-    pub search: Value,
+    pub search: crate::search::SearchResult,
+    /// The loss the trials computed (`None`: inference, no loss).
+    #[serde(default)]
+    pub loss: Option<crate::loss::LossPlan>,
     /// What the caching allocator could hold during the search (the card less the context).
     pub limit: u64,
     /// This process's CUDA context on the device (NVML's figure less the allocator's), taken

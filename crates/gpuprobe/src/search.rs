@@ -10,10 +10,10 @@
 //! bisection whenever they stop halving it. The search is pure: a `probe` closure runs the real
 //! step, so tests drive it with deterministic memory functions.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What one trial step did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "result", rename_all = "snake_case")]
 pub enum Outcome {
     /// The step ran; `peak` is its peak allocated memory in bytes, the quantity fitted against
@@ -30,7 +30,7 @@ pub enum Outcome {
 }
 
 /// One trial as recorded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Trial {
     pub batch: u64,
     pub outcome: Outcome,
@@ -68,7 +68,7 @@ impl Default for SearchConfig {
 }
 
 /// Why the search stopped early.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Stop {
     /// The caller asked to stop (an interrupt).
@@ -77,7 +77,7 @@ pub enum Stop {
     Failed(String),
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SearchResult {
     /// Largest batch seen to fit; `None` if not even the smallest did.
     pub max_fit: Option<u64>,

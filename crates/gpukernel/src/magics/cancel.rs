@@ -20,8 +20,7 @@ impl CancelToken {
         wake.notify_all();
     }
 
-    /// Polled by long libtorch work (`%maxbatch`) between steps.
-    #[cfg(feature = "torch")]
+    /// Polled by long work (`%maxbatch`) between steps.
     pub fn is_cancelled(&self) -> bool {
         *self.inner.0.lock().unwrap_or_else(PoisonError::into_inner)
     }

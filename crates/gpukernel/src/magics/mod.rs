@@ -9,8 +9,6 @@ mod gauge;
 mod gpumem;
 mod help;
 mod maxbatch;
-#[cfg(feature = "torch")]
-mod maxbatch_report;
 mod output;
 pub mod python;
 mod state;

@@ -1,6 +1,8 @@
 //! What magics may ask of the Python kernel behind gpukernel (proxy mode only).
 
+use super::CancelToken;
 use serde::{Deserialize, Serialize};
+use std::time::Duration;
 
 /// The caching allocator of one CUDA device in the Python kernel, as torch reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -24,38 +26,47 @@ pub struct TorchState {
     pub devices: Vec<DeviceMemory>,
 }
 
+/// Why an expression evaluated in the Python kernel gave no value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EvalError {
+    /// The expression raised (`ename: evalue`, as Python names it).
+    #[error("{ename}: {evalue}")]
+    Raised { ename: String, evalue: String },
+    /// No answer within the bound; the Python kernel was interrupted.
+    #[error("no answer from the Python kernel within {0:?}; it was interrupted")]
+    TimedOut(Duration),
+    /// The user interrupted while we waited.
+    #[error("interrupted")]
+    Cancelled,
+    /// The channel to the Python kernel failed (it died, say).
+    #[error("{0}")]
+    Channel(String),
+}
+
+/// How long [`PythonKernel::evaluate_bounded`] waits, what ends the wait early, and who hears
+/// how long it has waited so far (twice a second, for live progress).
+pub struct Bound<'a> {
+    pub limit: Duration,
+    pub cancel: &'a CancelToken,
+    pub tick: &'a mut dyn FnMut(Duration),
+}
+
 /// The Python kernel, as magics see it.
 pub trait PythonKernel: Send + Sync {
+    /// Evaluates `expression` in the Python kernel as a silent user_expression (no output, no
+    /// history, no execution count; after earlier cells finish) and returns its `text/plain`.
+    /// Past `bound.limit` the kernel is interrupted and the wait ends a few seconds later at
+    /// the most; a cancel ends it the same way (the interrupt has reached the kernel too).
+    fn evaluate_bounded(&self, expression: &str, bound: Bound<'_>) -> Result<String, EvalError>;
     fn pid(&self) -> u32;
     /// Reads torch's state in the Python kernel (waits for earlier cells to finish).
     fn torch(&self) -> Result<TorchState, String>;
     /// `gc.collect()` then `torch.cuda.empty_cache()` in the Python kernel, if torch is
     /// imported and has initialised CUDA there; never imports anything.
     fn empty_cache(&self) -> Result<(), String>;
-    /// Saves the `torch.nn.Module` named `name` (a dotted name) as TorchScript into a private
-    /// temporary file, leaving the module untouched (see `export_module.py`).
-    /// `train`: trace (if it comes to that) in training mode rather than eval mode.
-    fn export_module(
-        &self,
-        name: &str,
-        input: Option<&[i64]>,
-        vocab: Option<i64>,
-        train: bool,
-    ) -> Result<ExportedModule, String>;
 }
 
-/// A notebook module saved by [`PythonKernel::export_module`].
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct ExportedModule {
-    /// The TorchScript file (0600); the caller removes it.
-    pub path: String,
-    /// `"script"` or `"trace"`.
-    pub method: String,
-    pub training: bool,
-    pub parameters: u64,
-}
-
-/// Whether `name` can name a notebook variable for [`PythonKernel::export_module`]:
+/// Whether `name` can name a notebook variable:
 /// identifiers joined by dots (`model`, `trainer.model`), nothing that evaluates code.
 pub fn is_variable_name(name: &str) -> bool {
     !name.is_empty()
@@ -66,36 +77,36 @@ pub fn is_variable_name(name: &str) -> bool {
         })
 }
 
-const EXPORT_MODULE_SOURCE: &str = include_str!("export_module.py");
-
-/// The user expression behind [`PythonKernel::export_module`]: runs `export_module.py` in a
-/// namespace of its own and evaluates to an object whose repr is the result's JSON.
-pub fn export_module_expression(
-    name: &str,
-    input: Option<&[i64]>,
-    vocab: Option<i64>,
-    train: bool,
+/// An expression calling `function` of a private Python module made from `source` with
+/// keyword arguments `args` (a JSON object). The module is kept in `sys.modules[key]` (key
+/// plus a hash of the source, so a newer gpukernel's code replaces an older one) until the
+/// module itself removes it; the notebook's namespace gains nothing. The module must define
+/// `call(user_ns, name, args_json)` returning JSON text, which is the expression's repr.
+pub fn module_call_expression(
+    key: &str,
+    source: &str,
+    function: &str,
+    args: &serde_json::Value,
 ) -> String {
-    // JSON literals are Python literals (strings, lists of ints); null is spelt None.
-    let literal = |v: serde_json::Value| match v {
-        serde_json::Value::Null => "None".to_string(),
-        other => other.to_string(),
-    };
+    let key = format!("{key}_{:016x}", fnv1a(source.as_bytes()));
+    let literal = |s: &str| serde_json::Value::from(s).to_string(); // JSON strings are Python's
     format!(
-        "(lambda ns, json: (exec({source}, ns), type('GpuKernelJSON', (), {{'__repr__': \
-         lambda self, s=json.dumps(ns['export'](get_ipython().user_ns, {name}, {input}, \
-         {vocab}, {train})): s}})())[1])({{}}, __import__('json'))",
-        source = literal(serde_json::Value::from(EXPORT_MODULE_SOURCE)),
-        name = literal(serde_json::Value::from(name)),
-        input = literal(serde_json::json!(input)),
-        vocab = literal(serde_json::json!(vocab)),
-        train = if train { "True" } else { "False" },
+        "(lambda sys, types: (lambda m: type('GpuKernelJSON', (), {{'__repr__': lambda self, \
+         s=m.call(get_ipython().user_ns, {function}, {args}): s}})())(sys.modules.get({key}) or \
+         (lambda m: (exec({source}, m.__dict__), sys.modules.__setitem__({key}, m), m)[2])\
+         (types.ModuleType({key}))))(__import__('sys'), __import__('types'))",
+        function = literal(function),
+        args = literal(&args.to_string()),
+        key = literal(&key),
+        source = literal(source),
     )
 }
 
-/// Parses the `text/plain` of [`export_module_expression`]'s result.
-pub fn parse_exported_module(text: &str) -> Result<ExportedModule, String> {
-    serde_json::from_str(text).map_err(|e| format!("unreadable export result ({e}): {text}"))
+/// FNV-1a: a stable, dependency-free fingerprint of embedded sources.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// Code for [`PythonKernel::empty_cache`]: leaves no names behind in the user's namespace.
@@ -141,12 +152,5 @@ mod tests {
         ] {
             assert!(!is_variable_name(bad), "{bad}");
         }
-    }
-
-    #[test]
-    fn the_export_expression_quotes_its_arguments() {
-        let e = export_module_expression("net", Some(&[3, 32, 32]), None, true);
-        assert!(e.contains(r#""net", [3,32,32], None, True"#), "{e}");
-        assert!(e.starts_with("(lambda ns, json: (exec(\""));
     }
 }

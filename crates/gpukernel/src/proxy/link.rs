@@ -119,20 +119,48 @@ impl ChildLink {
     /// Sends our own request on the child's shell and waits for its reply content.
     pub async fn request(&self, msg_type: &str, content: &Value) -> Result<Value> {
         let id = format!("{INTERNAL_PREFIX}{}", uuid::Uuid::new_v4());
+        let message = self.own_request(&id, msg_type, content);
+        let reply = self.round_trip(id, message, false).await?;
+        Ok(reply.content_json()?)
+    }
+
+    /// Asks the child to interrupt what it runs (ipykernel signals itself), as a frontend's
+    /// interrupt_request does; waits for its reply at most `wait`.
+    pub async fn interrupt(&self, wait: std::time::Duration) -> Result<()> {
+        let id = format!("{INTERNAL_PREFIX}{}", uuid::Uuid::new_v4());
+        let message = self.own_request(&id, "interrupt_request", &json!({}));
+        match tokio::time::timeout(wait, self.round_trip(id.clone(), message, true)).await {
+            Ok(reply) => reply.map(drop),
+            Err(_) => {
+                self.forget(&id);
+                Err(anyhow!(
+                    "the child did not answer the interrupt within {wait:?}"
+                ))
+            }
+        }
+    }
+
+    /// Drops the waiter of a request whose reply we stopped waiting for.
+    pub fn forget(&self, id: &str) {
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(id);
+    }
+
+    fn own_request(&self, id: &str, msg_type: &str, content: &Value) -> ZmqMessage {
         let header = json!({
             "msg_id": id, "session": self.session.id(), "username": "gpukernel",
             "date": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
             "msg_type": msg_type, "version": crate::wire::PROTOCOL_VERSION,
         });
-        let message = self.session.signed(
+        self.session.signed(
             Vec::new(),
             Bytes::from(header.to_string()),
             Bytes::from_static(b"{}"),
             Bytes::from_static(b"{}"),
             Bytes::from(content.to_string()),
-        );
-        let reply = self.round_trip(id, message, false).await?;
-        Ok(reply.content_json()?)
+        )
     }
 
     /// A silent execute: runs `code` with no output and no history, evaluates

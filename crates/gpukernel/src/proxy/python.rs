@@ -3,11 +3,16 @@
 
 use super::link::ChildLink;
 use crate::magics::python::{
-    export_module_expression, parse_exported_module, parse_torch_state, ExportedModule,
-    PythonKernel, TorchState, EMPTY_CACHE_CODE, TORCH_STATE_EXPR,
+    parse_torch_state, Bound, EvalError, PythonKernel, TorchState, EMPTY_CACHE_CODE,
+    TORCH_STATE_EXPR,
 };
 use serde_json::{json, Value};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long a bounded wait goes on once the child has been interrupted: ipykernel answers an
+/// interrupted expression at once, unless a CUDA kernel has to finish first.
+const AFTER_INTERRUPT: Duration = Duration::from_secs(10);
 
 pub struct ChildPython {
     pub link: Arc<ChildLink>,
@@ -17,22 +22,62 @@ pub struct ChildPython {
 
 /// Evaluates one expression in the child; returns its `text/plain`.
 pub async fn evaluate(link: &ChildLink, expression: &str) -> Result<String, String> {
+    evaluate_typed(link, expression)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn evaluate_typed(link: &ChildLink, expression: &str) -> Result<String, EvalError> {
     let reply = link
         .silent_execute("", &json!({"value": expression}))
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| EvalError::Channel(e.to_string()))?;
     let result = &reply["user_expressions"]["value"];
     if result["status"] != "ok" {
-        return Err(format!(
-            "{}: {}",
-            result["ename"].as_str().unwrap_or("error"),
-            result["evalue"].as_str().unwrap_or("")
-        ));
+        return Err(EvalError::Raised {
+            ename: result["ename"].as_str().unwrap_or("error").to_string(),
+            evalue: result["evalue"].as_str().unwrap_or("").to_string(),
+        });
     }
     result["data"]["text/plain"]
         .as_str()
         .map(str::to_owned)
-        .ok_or_else(|| format!("no text/plain in {result}"))
+        .ok_or_else(|| EvalError::Channel(format!("no text/plain in {result}")))
+}
+
+impl ChildPython {
+    async fn bounded(&self, expression: &str, bound: Bound<'_>) -> Result<String, EvalError> {
+        let answer = evaluate_typed(&self.link, expression);
+        tokio::pin!(answer);
+        let started = Instant::now();
+        let mut ticks = tokio::time::interval(Duration::from_millis(500));
+        // Why we stopped waiting for an answer, and since when.
+        let mut ending: Option<(Instant, EvalError)> = None;
+        loop {
+            tokio::select! {
+                reply = &mut answer => return reply,
+                _ = ticks.tick() => {
+                    (bound.tick)(started.elapsed());
+                    if ending.is_none() && started.elapsed() > bound.limit {
+                        tracing::warn!("no answer within {:?}: interrupting the Python kernel", bound.limit);
+                        if let Err(e) = self.link.interrupt(Duration::from_secs(2)).await {
+                            tracing::warn!("{e}");
+                        }
+                        ending = Some((Instant::now(), EvalError::TimedOut(bound.limit)));
+                    } else if ending.is_none() && bound.cancel.is_cancelled() {
+                        // The frontend's interrupt reached the child as well (signal or
+                        // forwarded request): its answer comes soon.
+                        ending = Some((Instant::now(), EvalError::Cancelled));
+                    }
+                    if let Some((since, _)) = &ending {
+                        if since.elapsed() > AFTER_INTERRUPT {
+                            return Err(ending.map(|(_, why)| why).unwrap_or(EvalError::Cancelled));
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 impl PythonKernel for ChildPython {
@@ -40,16 +85,8 @@ impl PythonKernel for ChildPython {
         self.pid
     }
 
-    fn export_module(
-        &self,
-        name: &str,
-        input: Option<&[i64]>,
-        vocab: Option<i64>,
-        train: bool,
-    ) -> Result<ExportedModule, String> {
-        let expression = export_module_expression(name, input, vocab, train);
-        let text = self.runtime.block_on(evaluate(&self.link, &expression))?;
-        parse_exported_module(&text)
+    fn evaluate_bounded(&self, expression: &str, bound: Bound<'_>) -> Result<String, EvalError> {
+        self.runtime.block_on(self.bounded(expression, bound))
     }
 
     fn torch(&self) -> Result<TorchState, String> {

@@ -1,0 +1,337 @@
+//! The libtorch engine: trials in-process through `libgpuprobe_torch.so` (gpuprobe's
+//! `maxbatch`), for built-ins, TorchScript files, the magics-only kernel, and `--engine
+//! libtorch` on a notebook module, which the Python kernel saves as TorchScript in a private
+//! file for the trials (removed afterwards).
+
+use super::export::{self, ExportedModule};
+use super::report::{self, Assumptions, Card, EngineKind, Findings, Line, Live, Throughput};
+use super::{Amp, Args, Dtype, Optimizer, SearchKind, Target, MAX_TRIALS, TOLERANCE};
+use crate::magics::{MagicContext, MagicError, Output};
+use crate::torch_plugin::{self, PluginError};
+use gpuprobe::plugin_api::{
+    MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision, Request,
+    ThroughputPoint,
+};
+use gpuprobe::search::Outcome;
+use gpuprobe::units::human_bytes;
+use serde::Deserialize;
+use serde_json::Value;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// A module exported from the notebook: its private TorchScript file, removed on drop.
+struct Exported {
+    module: ExportedModule,
+}
+
+impl Drop for Exported {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.module.path);
+    }
+}
+
+fn failed(e: PluginError) -> MagicError {
+    MagicError::new("MaxBatchError", e.to_string())
+}
+
+fn model_source(
+    args: &Args,
+    target: &Target,
+    ctx: &MagicContext,
+) -> Result<(ModelSource, Option<Exported>), MagicError> {
+    match target {
+        Target::Builtin(name) => Ok((ModelSource::Builtin { name: name.clone() }, None)),
+        Target::File(path) => Ok((ModelSource::TorchScript { path: path.clone() }, None)),
+        Target::Notebook { name, .. } => {
+            let python = ctx.python.ok_or_else(|| {
+                MagicError::usage("%maxbatch: notebook variables work in the gpu-python kernel")
+            })?;
+            let input = args.input.as_ref().map(|s| s.0.as_slice());
+            let module =
+                export::export(python, ctx.cancel, name, input, args.vocab, !args.inference)
+                    .map_err(|e| {
+                        MagicError::usage(format!(
+                            "%maxbatch: could not take the model from {name:?}: {e}"
+                        ))
+                    })?;
+            let path = module.path.clone();
+            Ok((ModelSource::TorchScript { path }, Some(Exported { module })))
+        }
+    }
+}
+
+fn request(args: &Args, model: ModelSource) -> MaxBatchRequest {
+    MaxBatchRequest {
+        model,
+        input: args.input.clone().map(|s| s.0),
+        vocab: args.vocab,
+        dtype: match args.dtype {
+            None | Some(Dtype::Fp32) => None,
+            Some(Dtype::Fp16) => Some(Precision::Fp16),
+            Some(Dtype::Bf16) => Some(Precision::Bf16),
+        },
+        amp: args.amp.map(|a| match a {
+            Amp::Fp16 => Precision::Fp16,
+            Amp::Bf16 => Precision::Bf16,
+        }),
+        optimizer: match args.optimizer.unwrap_or(Optimizer::Adamw) {
+            Optimizer::None => OptimizerKind::None,
+            Optimizer::Sgd => OptimizerKind::Sgd,
+            Optimizer::Adam => OptimizerKind::Adam,
+            Optimizer::Adamw => OptimizerKind::Adamw,
+        },
+        inference: args.inference,
+        device: args.device.unwrap_or(0),
+        limit: args.limit,
+        max_batch: args.max.max(1),
+        max_trials: MAX_TRIALS,
+        tolerance: if args.exact { 0.0 } else { TOLERANCE },
+        baseline_search: args.search == SearchKind::DoubleBisect,
+        loss: args.loss.map(|l| l.kind()),
+        target_classes: args.target_classes,
+        trial_timeout_s: Some(args.trial_timeout),
+    }
+}
+
+/// A plugin progress event.
+#[derive(Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+enum Event {
+    TrialStart {
+        batch: u64,
+    },
+    Trial {
+        batch: u64,
+        outcome: Outcome,
+        fits: bool,
+        ms: f64,
+    },
+    Throughput {
+        batch: u64,
+        samples_per_s: Option<f64>,
+    },
+}
+
+/// Runs a plugin request while the display shows every trial, the running one with its time
+/// so far (a ticker thread: the plugin reports only between trials).
+fn call_live(request: &Request, live: &Live, ctx: &MagicContext) -> Result<Value, MagicError> {
+    let plugin = torch_plugin::plugin().map_err(failed)?;
+    let running: Mutex<Option<(u64, Instant)>> = Mutex::new(None);
+    let done = crate::magics::CancelToken::new();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while done.sleep(Duration::from_secs(1)) {
+                let current = *running.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some((batch, since)) = current {
+                    live.show(Line::Running {
+                        batch,
+                        elapsed: since.elapsed(),
+                    });
+                }
+            }
+        });
+        let mut on_event = |event: &str| -> bool {
+            let set = |v| *running.lock().unwrap_or_else(PoisonError::into_inner) = v;
+            match serde_json::from_str::<Event>(event) {
+                Ok(Event::TrialStart { batch }) => {
+                    set(Some((batch, Instant::now())));
+                    live.show(Line::Running {
+                        batch,
+                        elapsed: Duration::ZERO,
+                    });
+                }
+                Ok(Event::Trial {
+                    batch,
+                    outcome,
+                    fits,
+                    ms,
+                }) => {
+                    set(None);
+                    live.show(Line::Trial {
+                        batch,
+                        outcome,
+                        fits,
+                        ms,
+                    });
+                }
+                Ok(Event::Throughput {
+                    batch,
+                    samples_per_s,
+                }) => {
+                    set(None);
+                    live.show(Line::Timing {
+                        batch,
+                        samples_per_s,
+                    });
+                }
+                Err(e) => tracing::debug!("unread plugin event ({e}): {event}"),
+            }
+            ctx.cancel.is_cancelled()
+        };
+        let reply = plugin.call(request, &mut on_event);
+        done.cancel();
+        reply.map_err(failed)
+    })
+}
+
+pub(super) fn run(args: &Args, target: &Target, ctx: &MagicContext) -> Result<(), MagicError> {
+    let (model, exported) = model_source(args, target, ctx)?;
+    let result = search(args, request(args, model), exported.as_ref(), ctx);
+    drop(exported); // the private TorchScript file goes now, whatever happened
+    result
+}
+
+fn search(
+    args: &Args,
+    request: MaxBatchRequest,
+    exported: Option<&Exported>,
+    ctx: &MagicContext,
+) -> Result<(), MagicError> {
+    let plugin = torch_plugin::plugin().map_err(failed)?;
+    let info = plugin.request(&Request::Info).map_err(failed)?;
+    let name = args.model.clone().unwrap_or_default();
+    if let Some(e) = exported {
+        ctx.stdout(format!(
+            "%maxbatch: {name} ({} parameters) saved as TorchScript by torch.jit.{} for the \
+             libtorch engine; the notebook's module is untouched\n",
+            e.module.parameters, e.module.method
+        ));
+    }
+    if info["cuda_available"] != Value::Bool(true) {
+        let said = plugin
+            .request(&Request::ValidateOnCpu(request.clone()))
+            .map_err(failed)?;
+        ctx.stdout(format!(
+            "No CUDA GPU is visible to libtorch here, so there is no GPU memory to size against.\n\
+             Validated the model instead: {}.\nRun %maxbatch on a GPU machine for the search.\n",
+            said.as_str().unwrap_or("ok")
+        ));
+        return Ok(());
+    }
+    let live = Live::start(
+        ctx.out,
+        format!("%maxbatch {name}: trying batch sizes (libtorch, in gpukernel)"),
+    );
+    let reply = call_live(&Request::MaxBatch(request.clone()), &live, ctx)?;
+    let report: MaxBatchReport = serde_json::from_value(reply)
+        .map_err(|e| MagicError::new("MaxBatchError", format!("unreadable report: {e}")))?;
+    match &report.search.stopped {
+        Some(gpuprobe::search::Stop::Cancelled) => return Err(MagicError::interrupted()),
+        Some(gpuprobe::search::Stop::Failed(why)) => {
+            return Err(MagicError::new("MaxBatchError", why.clone()))
+        }
+        None => {}
+    }
+    let mut findings = findings(args, &name, &request, &report, exported);
+    if let (true, Some(recommended)) = (args.throughput, findings.recommended()) {
+        let points = call_live(
+            &Request::Throughput {
+                setup: request.clone(),
+                batches: report::throughput_candidates(recommended),
+                steps: report::THROUGHPUT_STEPS,
+            },
+            &live,
+            ctx,
+        )?;
+        if ctx.cancel.is_cancelled() {
+            return Err(MagicError::interrupted());
+        }
+        let points: Vec<ThroughputPoint> = serde_json::from_value(points)
+            .map_err(|e| MagicError::new("MaxBatchError", format!("unreadable timings: {e}")))?;
+        findings.throughput = Some(Throughput::from_points(
+            points
+                .into_iter()
+                .map(|p| (p.batch, p.samples_per_s))
+                .collect(),
+        ));
+    }
+    ctx.out.emit(Output::value_or_display(
+        report::summary(&findings),
+        args.json,
+    ));
+    Ok(())
+}
+
+fn findings(
+    args: &Args,
+    name: &str,
+    request: &MaxBatchRequest,
+    report: &MaxBatchReport,
+    exported: Option<&Exported>,
+) -> Findings {
+    let precision = match (args.amp, args.dtype) {
+        (Some(amp), _) => format!("fp32 weights, {} autocast", amp.name()),
+        (None, Some(Dtype::Fp16)) => "fp16".into(),
+        (None, Some(Dtype::Bf16)) => "bf16".into(),
+        (None, _) => "fp32".into(),
+    };
+    let optimizer = if args.inference {
+        "none (inference, no gradients)".to_string()
+    } else {
+        format!("a new {:?}", request.optimizer).to_lowercase()
+    };
+    let input = request
+        .input
+        .as_ref()
+        .map(|s| {
+            s.iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join("x")
+        })
+        .unwrap_or_else(|| "the model's default".into());
+    let tokens = args
+        .vocab
+        .map(|v| format!(", token ids < {v}"))
+        .unwrap_or_default();
+    let source = match exported {
+        Some(m) => format!(
+            "the notebook's {name} as TorchScript (torch.jit.{})",
+            m.module.method
+        ),
+        None => name.to_string(),
+    };
+    let mut notes = Vec::new();
+    if exported.is_some() {
+        notes.push(
+            "the libtorch engine trains a TorchScript copy with its own loss and a new \
+             optimizer, not your loop: for the number your own training needs, run it without \
+             --engine libtorch (the python engine runs your eager step in your kernel)"
+                .into(),
+        );
+    }
+    Findings {
+        model: name.to_string(),
+        search: report.search.clone(),
+        assumptions: Assumptions {
+            engine: EngineKind::Libtorch,
+            step: if args.inference {
+                format!("forward of {source} without gradients")
+            } else {
+                format!("forward, loss, backward and optimizer step of {source}, 2 steps per trial")
+            },
+            loss: report.loss.map(|l| l.to_string()),
+            precision,
+            optimizer,
+            input: Some(format!("{input} per sample{tokens}")),
+        },
+        limit: report.limit,
+        device_total: report.device_total,
+        card: args.limit.map(|bytes| Card {
+            bytes,
+            context: report.context_bytes,
+        }),
+        elapsed_ms: report.elapsed_ms,
+        trial_ms: report.trial_ms.clone(),
+        trial_reserved: report.trial_reserved.clone(),
+        held: None,
+        after: format!(
+            "afterwards gpukernel holds {} allocated, {} reserved (cache emptied)",
+            human_bytes(report.after_allocated),
+            human_bytes(report.after_reserved)
+        ),
+        notes,
+        margin_percent: args.margin,
+        throughput: None,
+    }
+}

@@ -1,0 +1,713 @@
+//! The python engine: each trial is the user's own eager step, run in their Python kernel by
+//! `trials.py` through the silent side channel; the search (gpuprobe) and the display stay
+//! here. A session guard closes the Python side whatever happens, so the user's state is put
+//! back and the private module removed even after an error or an interrupt.
+
+use super::report::{Assumptions, Card, EngineKind, Findings, Held, Line, Live, Throughput};
+use super::{Args, SearchKind};
+use crate::magics::python::{module_call_expression, Bound, EvalError, PythonKernel};
+use crate::magics::{MagicContext, MagicError, Output};
+use gpuprobe::loss::{self, LossPlan};
+use gpuprobe::search::{self, Outcome, SearchConfig, Stop};
+use gpuprobe::units::human_bytes;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+const SOURCE: &str = include_str!("trials.py");
+const KEY: &str = "_gpukernel_maxbatch";
+
+/// Steps per trial: the second runs with the optimizer state the first allocated and the
+/// gradients it left, as every later training step does.
+const STEPS_PER_TRIAL: u32 = 2;
+
+/// Bound on the calls that are not trials (prepare, close): they copy the state to or from
+/// host memory, seconds for the largest models.
+const SETUP_LIMIT: Duration = Duration::from_secs(300);
+
+/// What a trial runs, as `trials.py` takes it.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Spec {
+    /// `"module"` (a standard step built from it) or `"step"` (the user's function).
+    pub(super) kind: &'static str,
+    pub(super) target: String,
+    pub(super) input: Option<Vec<i64>>,
+    pub(super) vocab: Option<i64>,
+    pub(super) amp: Option<&'static str>,
+    pub(super) optimizer: Option<&'static str>,
+    pub(super) optimizer_from: Option<String>,
+    pub(super) inference: bool,
+    pub(super) device: Option<usize>,
+}
+
+/// `prepare`'s reply.
+#[derive(Debug, Clone, Deserialize)]
+struct Prepared {
+    describe: Described,
+    memory: Memory,
+    output: Option<OutputInfo>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct Described {
+    device: String,
+    cuda: bool,
+    #[serde(default)]
+    state: BTreeMap<String, Vec<String>>,
+    snapshot_bytes: u64,
+    optimizer: String,
+    parameters: Option<u64>,
+    #[serde(default)]
+    vocab: Option<i64>,
+    #[serde(default)]
+    vocab_from: Option<String>,
+    #[serde(default)]
+    input_dtype: Option<String>,
+    #[serde(default)]
+    grad_scaler: bool,
+    torch: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct Memory {
+    device: String,
+    name: Option<String>,
+    uuid: Option<String>,
+    total: Option<u64>,
+    limit: Option<u64>,
+    allocated: Option<u64>,
+    reserved: Option<u64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct OutputInfo {
+    shape: Vec<i64>,
+    dtype: String,
+    selected: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum TrialResult {
+    Ran,
+    OutOfMemory,
+    Error,
+    Interrupted,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct StepError {
+    ename: String,
+    evalue: String,
+    #[serde(rename = "where")]
+    location: Option<String>,
+}
+
+/// `trial`'s reply.
+#[derive(Debug, Clone, Deserialize)]
+struct TrialReply {
+    result: TrialResult,
+    #[serde(default)]
+    error: Option<StepError>,
+    ms: f64,
+    #[serde(default)]
+    peak_allocated: Option<u64>,
+    #[serde(default)]
+    peak_reserved: Option<u64>,
+    #[serde(default)]
+    samples_per_s: Option<f64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct Closed {
+    memory: Option<Memory>,
+}
+
+/// `trials.py` answers a request it cannot serve with `{"refused": why}`.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Reply<T> {
+    Refused { refused: String },
+    Served(T),
+}
+
+#[derive(Debug, thiserror::Error)]
+enum CallError {
+    /// The request cannot be served (a wrong variable, say): the user's to fix.
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Eval(#[from] EvalError),
+    #[error("unreadable answer from the Python kernel ({0})")]
+    Unreadable(String),
+}
+
+impl CallError {
+    fn into_magic(self) -> MagicError {
+        match self {
+            CallError::Refused(why) => MagicError::usage(format!("%maxbatch: {why}")),
+            CallError::Eval(EvalError::Cancelled) => MagicError::interrupted(),
+            other => MagicError::new("MaxBatchError", other.to_string()),
+        }
+    }
+}
+
+/// The open session in the Python kernel; closed on drop.
+struct Session<'a> {
+    python: &'a dyn PythonKernel,
+    ctx: &'a MagicContext<'a>,
+    closed: Option<Closed>,
+}
+
+impl<'a> Session<'a> {
+    fn call<T: DeserializeOwned>(
+        &self,
+        function: &str,
+        args: Value,
+        limit: Duration,
+        tick: &mut dyn FnMut(Duration),
+    ) -> Result<T, CallError> {
+        let expression = module_call_expression(KEY, SOURCE, function, &args);
+        let text = self.python.evaluate_bounded(
+            &expression,
+            Bound {
+                limit,
+                cancel: self.ctx.cancel,
+                tick,
+            },
+        )?;
+        match serde_json::from_str::<Reply<T>>(&text) {
+            Ok(Reply::Served(value)) => Ok(value),
+            Ok(Reply::Refused { refused }) => Err(CallError::Refused(refused)),
+            Err(e) => Err(CallError::Unreadable(format!("{e}: {text}"))),
+        }
+    }
+
+    fn close(&mut self) -> Option<&Closed> {
+        if self.closed.is_none() {
+            match self.call::<Closed>("close", json!({}), SETUP_LIMIT, &mut |_| {}) {
+                Ok(closed) => self.closed = Some(closed),
+                Err(e) => tracing::warn!("%maxbatch could not close its Python session: {e}"),
+            }
+        }
+        self.closed.as_ref()
+    }
+}
+
+impl Drop for Session<'_> {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// The spec for `args`.
+pub(super) fn spec(args: &Args) -> Spec {
+    let (kind, target) = match (&args.step, &args.model) {
+        (Some(step), _) => ("step", step.clone()),
+        (None, model) => ("module", model.clone().unwrap_or_default()),
+    };
+    Spec {
+        kind,
+        target,
+        input: args.input.clone().map(|s| s.0),
+        vocab: args.vocab,
+        amp: args.amp.map(|a| a.name()),
+        optimizer: args.optimizer.map(|o| o.name()),
+        optimizer_from: args.optimizer_from.clone(),
+        inference: args.inference,
+        device: args.device,
+    }
+}
+
+/// Runs `%maxbatch` with the python engine.
+pub(super) fn run(
+    args: &Args,
+    python: &dyn PythonKernel,
+    ctx: &MagicContext,
+) -> Result<(), MagicError> {
+    let started = Instant::now();
+    let spec = spec(args);
+    let mut session = Session {
+        python,
+        ctx,
+        closed: None,
+    };
+    let prepared: Prepared = session
+        .call("prepare", json!({ "spec": spec }), SETUP_LIMIT, &mut |_| {})
+        .map_err(CallError::into_magic)?;
+    let loss = match &prepared.output {
+        Some(output) => {
+            let plan = loss::plan(
+                &output.shape,
+                args.loss.map(|l| l.kind()),
+                args.target_classes,
+                prepared.describe.vocab.or(args.vocab),
+            )
+            .map_err(|e| MagicError::usage(format!("%maxbatch: {e}")))?;
+            session
+                .call::<Value>(
+                    "set_loss",
+                    json!({ "plan": plan }),
+                    SETUP_LIMIT,
+                    &mut |_| {},
+                )
+                .map_err(CallError::into_magic)?;
+            Some(plan)
+        }
+        None => None,
+    };
+    let assumptions = assumptions(args, &spec, &prepared, loss.as_ref());
+    if !prepared.describe.cuda || !prepared.memory.device.starts_with("cuda") {
+        return validate_without_gpu(&mut session, &prepared, &assumptions);
+    }
+    let (memory, card) = match args.limit {
+        Some(card) => cap(&session, python.pid(), &prepared.memory, card)?,
+        None => (prepared.memory.clone(), None),
+    };
+    let limit = memory.limit.ok_or_else(|| {
+        MagicError::new("MaxBatchError", "the Python kernel gave no memory limit")
+    })?;
+    let config = SearchConfig {
+        limit,
+        max_batch: args.max.max(1),
+        max_trials: super::MAX_TRIALS,
+        tolerance: if args.exact { 0.0 } else { super::TOLERANCE },
+        ..SearchConfig::default()
+    };
+    let live = Live::start(
+        ctx.out,
+        format!(
+            "%maxbatch {}: trying batch sizes in your Python kernel ({})",
+            spec.target,
+            memory.name.as_deref().unwrap_or(&memory.device)
+        ),
+    );
+    let trial_limit = Duration::from_secs_f64(args.trial_timeout);
+    let held_before = memory.allocated.unwrap_or(0);
+    let mut trial_ms = Vec::new();
+    let mut trial_reserved = Vec::new();
+    let probe = |batch: u64| -> Result<Outcome, Stop> {
+        let reply = trial(&session, &live, batch, STEPS_PER_TRIAL, 0, trial_limit)?;
+        let outcome = outcome(&reply, batch, held_before)?;
+        trial_ms.push((batch, reply.ms));
+        if let (Outcome::Ran { .. }, Some(r)) = (outcome, reply.peak_reserved) {
+            trial_reserved.push((batch, r));
+        }
+        live.show(Line::Trial {
+            batch,
+            outcome,
+            fits: matches!(outcome, Outcome::Ran { peak, .. } if peak <= limit),
+            ms: reply.ms,
+        });
+        if ctx.cancel.is_cancelled() {
+            return Err(Stop::Cancelled);
+        }
+        Ok(outcome)
+    };
+    let result = match args.search {
+        SearchKind::Fit => search::search(&config, probe),
+        SearchKind::DoubleBisect => search::double_then_bisect(&config, 2, probe),
+    };
+    match &result.stopped {
+        Some(Stop::Cancelled) => return Err(MagicError::interrupted()),
+        Some(Stop::Failed(why)) => return Err(MagicError::new("MaxBatchError", why.clone())),
+        None => {}
+    }
+    let mut findings = Findings {
+        model: spec.target.clone(),
+        search: result,
+        assumptions,
+        limit,
+        device_total: memory.total.unwrap_or(0),
+        card,
+        elapsed_ms: 0.0,
+        trial_ms,
+        trial_reserved,
+        held: Some(Held {
+            who: format!("your Python kernel (pid {})", python.pid()),
+            allocated: held_before,
+            reserved: memory.reserved.unwrap_or(0),
+        }),
+        after: String::new(),
+        notes: notes(&prepared),
+        margin_percent: args.margin,
+        throughput: None,
+    };
+    if args.throughput {
+        findings.throughput = Some(throughput(&session, &live, &findings, trial_limit)?);
+    }
+    findings.after = match session.close().and_then(|c| c.memory.as_ref()) {
+        Some(m) => format!(
+            "afterwards: your state is as it was; your Python kernel holds {} allocated, {} reserved",
+            human_bytes(m.allocated.unwrap_or(0)),
+            human_bytes(m.reserved.unwrap_or(0))
+        ),
+        None => "afterwards: the Python session could not be closed (see the kernel log)".into(),
+    };
+    findings.elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+    ctx.out.emit(Output::value_or_display(
+        super::report::summary(&findings),
+        args.json,
+    ));
+    Ok(())
+}
+
+/// One trial, shown live while it runs.
+fn trial(
+    session: &Session,
+    live: &Live,
+    batch: u64,
+    steps: u32,
+    timed: u32,
+    limit: Duration,
+) -> Result<TrialReply, Stop> {
+    live.show(Line::Running {
+        batch,
+        elapsed: Duration::ZERO,
+    });
+    let mut tick = |elapsed| live.show(Line::Running { batch, elapsed });
+    session
+        .call::<TrialReply>(
+            "trial",
+            json!({"batch": batch, "steps": steps, "timed": timed}),
+            limit,
+            &mut tick,
+        )
+        .map_err(|e| match e {
+            CallError::Eval(EvalError::Cancelled) => Stop::Cancelled,
+            CallError::Eval(EvalError::TimedOut(limit)) => Stop::Failed(format!(
+                "the trial at batch {batch} ran past {} s (--trial-timeout) and was interrupted; \
+                 your state was put back. A first step that compiles (torch.compile) can take \
+                 long: raise --trial-timeout",
+                limit.as_secs()
+            )),
+            other => Stop::Failed(format!("the trial at batch {batch} failed: {other}")),
+        })
+}
+
+/// What a trial's reply means for the search.
+fn outcome(reply: &TrialReply, batch: u64, held_before: u64) -> Result<Outcome, Stop> {
+    match reply.result {
+        TrialResult::Interrupted => Err(Stop::Cancelled),
+        TrialResult::OutOfMemory => Ok(Outcome::OutOfMemory),
+        TrialResult::Error => {
+            let e = reply.error.as_ref();
+            Err(Stop::Failed(format!(
+                "the step raised {}: {} at batch {batch}{}; your state was put back",
+                e.map_or("an error", |e| e.ename.as_str()),
+                e.map_or("", |e| e.evalue.as_str()),
+                e.and_then(|e| e.location.as_deref())
+                    .map(|w| format!(" ({w})"))
+                    .unwrap_or_default()
+            )))
+        }
+        TrialResult::Ran => {
+            let peak = reply.peak_allocated.unwrap_or(0);
+            if peak <= held_before {
+                return Err(Stop::Failed(format!(
+                    "the step at batch {batch} allocated no GPU memory: does it put its model \
+                     and data on the GPU?"
+                )));
+            }
+            Ok(Outcome::Ran {
+                peak,
+                reserved: reply.peak_reserved.unwrap_or(0),
+            })
+        }
+    }
+}
+
+/// `--limit CARD`: caps the Python kernel's allocator at the card less its CUDA context.
+fn cap(
+    session: &Session,
+    pid: u32,
+    memory: &Memory,
+    card: u64,
+) -> Result<(Memory, Option<Card>), MagicError> {
+    let context = context_bytes(pid, memory);
+    let bytes = card.saturating_sub(context.unwrap_or(0));
+    let available = memory.limit.unwrap_or(0);
+    if bytes > available {
+        return Err(MagicError::usage(format!(
+            "%maxbatch: --limit {} is more than this GPU can give your Python kernel ({}); use a \
+             smaller --limit or free the GPU",
+            human_bytes(card),
+            human_bytes(available)
+        )));
+    }
+    let capped: Memory = session
+        .call(
+            "set_cap",
+            json!({ "bytes": bytes }),
+            SETUP_LIMIT,
+            &mut |_| {},
+        )
+        .map_err(CallError::into_magic)?;
+    Ok((
+        capped,
+        Some(Card {
+            bytes: card,
+            context,
+        }),
+    ))
+}
+
+/// The Python kernel's CUDA context on its device: NVML's figure for the process less what
+/// its allocator reserved. `None` where NVML does not show it (no driver access, containers).
+fn context_bytes(pid: u32, memory: &Memory) -> Option<u64> {
+    let nvml = gpuprobe::Nvml::open().ok()?;
+    let snapshot = nvml.snapshot().ok()?;
+    let uuid = memory.uuid.as_deref()?;
+    let used: u64 = snapshot
+        .gpus
+        .iter()
+        .filter(|g| g.uuid.trim_start_matches("GPU-") == uuid.trim_start_matches("GPU-"))
+        .flat_map(|g| g.processes.iter())
+        .filter(|p| p.pid == pid)
+        .filter_map(|p| p.used_memory)
+        .sum();
+    (used > 0).then(|| used.saturating_sub(memory.reserved.unwrap_or(0)))
+}
+
+/// `--throughput`: timed steps at the recommendation and fractions of it.
+fn throughput(
+    session: &Session,
+    live: &Live,
+    findings: &Findings,
+    limit: Duration,
+) -> Result<Throughput, MagicError> {
+    let Some(recommended) = findings.recommended() else {
+        return Ok(Throughput::from_points(Vec::new()));
+    };
+    let mut points = Vec::new();
+    for batch in super::report::throughput_candidates(recommended) {
+        let reply = trial(
+            session,
+            live,
+            batch,
+            2,
+            super::report::THROUGHPUT_STEPS,
+            limit,
+        )
+        .map_err(|stop| match stop {
+            Stop::Cancelled => MagicError::interrupted(),
+            Stop::Failed(why) => MagicError::new("MaxBatchError", why),
+        })?;
+        let speed = match reply.result {
+            TrialResult::Ran => reply.samples_per_s,
+            TrialResult::Interrupted => return Err(MagicError::interrupted()),
+            _ => None,
+        };
+        live.show(Line::Timing {
+            batch,
+            samples_per_s: speed,
+        });
+        points.push((batch, speed));
+    }
+    Ok(Throughput::from_points(points))
+}
+
+/// No GPU in the Python kernel: one small trial checks the step and the state's return.
+fn validate_without_gpu(
+    session: &mut Session,
+    prepared: &Prepared,
+    assumptions: &Assumptions,
+) -> Result<(), MagicError> {
+    let reply: TrialReply = session
+        .call(
+            "trial",
+            json!({"batch": 2, "steps": 1}),
+            SETUP_LIMIT,
+            &mut |_| {},
+        )
+        .map_err(CallError::into_magic)?;
+    let said = match reply.result {
+        TrialResult::Ran => format!("one step of batch 2 ran on the {}", prepared.memory.device),
+        TrialResult::OutOfMemory => "the step ran out of memory at batch 2".to_string(),
+        TrialResult::Interrupted => return Err(MagicError::interrupted()),
+        TrialResult::Error => {
+            return Err(MagicError::new(
+                "MaxBatchError",
+                match outcome(&reply, 2, 0) {
+                    Err(Stop::Failed(why)) => why,
+                    _ => "the step failed".into(),
+                },
+            ))
+        }
+    };
+    session.close();
+    session.ctx.stdout(format!(
+        "No CUDA GPU is visible to torch in your Python kernel ({}), so there is no GPU memory \
+         to size against.\nChecked the step instead: {said}; your state is as it was.\n\
+         Assumed: {}{}.\nRun %maxbatch where the notebook has a GPU for the search.\n",
+        prepared.describe.torch,
+        assumptions.step,
+        assumptions
+            .loss
+            .as_ref()
+            .map(|l| format!(", loss {l}"))
+            .unwrap_or_default()
+    ));
+    Ok(())
+}
+
+fn assumptions(
+    args: &Args,
+    spec: &Spec,
+    prepared: &Prepared,
+    loss: Option<&LossPlan>,
+) -> Assumptions {
+    let d = &prepared.describe;
+    let (step, precision, input) = if spec.kind == "step" {
+        (
+            format!(
+                "your {}(batch_size), {STEPS_PER_TRIAL} calls per trial",
+                spec.target
+            ),
+            "whatever your step uses".to_string(),
+            None,
+        )
+    } else {
+        let what = if args.inference {
+            "forward only (no gradients)".to_string()
+        } else {
+            let scaler = if d.grad_scaler {
+                " through a GradScaler"
+            } else {
+                ""
+            };
+            format!(
+                "a standard step of {}: zero_grad, forward, loss, backward{scaler}, optimizer \
+                 step; {STEPS_PER_TRIAL} steps per trial, the last output alive into the next \
+                 step as in a for loop",
+                spec.target
+            )
+        };
+        let precision = match args.amp {
+            Some(amp) => format!("{} autocast over your weights' dtype", amp.name()),
+            None => d
+                .input_dtype
+                .clone()
+                .unwrap_or_else(|| "your model's dtype".into()),
+        };
+        let shape = spec
+            .input
+            .as_ref()
+            .map(|s| {
+                s.iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join("x")
+            })
+            .unwrap_or_default();
+        let tokens = match (&d.vocab, &d.vocab_from) {
+            (Some(v), Some(from)) => format!(", token ids < {v} (from the model's {from})"),
+            (Some(v), None) => format!(", token ids < {v}"),
+            _ => String::new(),
+        };
+        let output = prepared
+            .output
+            .as_ref()
+            .map(|o| format!(", {} {:?} {}", o.selected, o.shape, o.dtype))
+            .unwrap_or_default();
+        (
+            what,
+            precision,
+            Some(format!("{shape} per sample{tokens}{output}")),
+        )
+    };
+    Assumptions {
+        engine: EngineKind::Python,
+        step,
+        loss: loss.map(|l| l.to_string()),
+        precision,
+        optimizer: d.optimizer.clone(),
+        input,
+    }
+}
+
+fn notes(prepared: &Prepared) -> Vec<String> {
+    let d = &prepared.describe;
+    let kept: Vec<String> = d
+        .state
+        .iter()
+        .filter(|(_, names)| !names.is_empty())
+        .map(|(kind, names)| format!("{kind}: {}", names.join(", ")))
+        .collect();
+    let mut notes = vec![format!(
+        "kept and put back after every trial ({} copied to host memory): {}",
+        human_bytes(d.snapshot_bytes),
+        if kept.is_empty() {
+            "nothing found".to_string()
+        } else {
+            kept.join("; ")
+        }
+    )];
+    if let Some(p) = d.parameters {
+        notes.push(format!("{p} parameters on {}", d.device));
+    }
+    notes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply(text: &str) -> TrialReply {
+        serde_json::from_str(text).expect("a trial reply")
+    }
+
+    #[test]
+    fn trial_replies_become_outcomes() {
+        let ran = reply(
+            r#"{"batch": 4, "result": "ran", "ms": 3.0, "peak_allocated": 900, "peak_reserved": 1000}"#,
+        );
+        assert_eq!(
+            outcome(&ran, 4, 100),
+            Ok(Outcome::Ran {
+                peak: 900,
+                reserved: 1000
+            })
+        );
+        let oom = reply(
+            r#"{"batch": 4, "result": "out_of_memory", "ms": 3.0, "message": "CUDA out of memory"}"#,
+        );
+        assert_eq!(outcome(&oom, 4, 0), Ok(Outcome::OutOfMemory));
+        let stop = reply(r#"{"batch": 4, "result": "interrupted", "ms": 3.0}"#);
+        assert_eq!(outcome(&stop, 4, 0), Err(Stop::Cancelled));
+    }
+
+    #[test]
+    fn a_failing_step_and_a_step_off_the_gpu_are_explained() {
+        let failed = reply(
+            r#"{"batch": 8, "result": "error", "ms": 1.0,
+                "error": {"ename": "ValueError", "evalue": "bad shape", "where": "<cell>:3 in step"}}"#,
+        );
+        let Err(Stop::Failed(why)) = outcome(&failed, 8, 0) else {
+            panic!("an error stops the search")
+        };
+        assert!(
+            why.contains("ValueError: bad shape at batch 8 (<cell>:3 in step)"),
+            "{why}"
+        );
+        let idle = reply(r#"{"batch": 4, "result": "ran", "ms": 1.0, "peak_allocated": 100}"#);
+        let Err(Stop::Failed(why)) = outcome(&idle, 4, 100) else {
+            panic!("no GPU memory is an error")
+        };
+        assert!(why.contains("allocated no GPU memory"), "{why}");
+    }
+
+    #[test]
+    fn refusals_are_told_apart_from_answers() {
+        let r: Reply<TrialReply> =
+            serde_json::from_str(r#"{"refused": "x is not defined in this notebook"}"#).unwrap();
+        assert!(matches!(r, Reply::Refused { .. }));
+        let r: Reply<TrialReply> = serde_json::from_str(
+            r#"{"batch": 2, "result": "error", "ms": 1.0, "error": {"ename": "E", "evalue": "v", "where": null}}"#,
+        )
+        .unwrap();
+        assert!(matches!(r, Reply::Served(_)));
+    }
+}

@@ -1,0 +1,534 @@
+//! What `%maxbatch` shows, whichever engine ran the trials: live progress (every trial, the
+//! running one with its time so far), then the answer, what it assumed, what the user's
+//! process held, and an SVG chart of peak memory against batch size.
+
+use crate::magics::{bundle, html_escape, Bundle, Output, OutputSink};
+use gpuprobe::search::{Outcome, SearchResult};
+use gpuprobe::units::human_bytes;
+use serde::Serialize;
+use serde_json::json;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+/// One line of the live progress.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Line {
+    Running {
+        batch: u64,
+        elapsed: Duration,
+    },
+    Trial {
+        batch: u64,
+        outcome: Outcome,
+        fits: bool,
+        ms: f64,
+    },
+    Timing {
+        batch: u64,
+        samples_per_s: Option<f64>,
+    },
+}
+
+/// The live display of a search: one display, updated in place (from a ticker thread too).
+pub(super) struct Live<'a> {
+    out: &'a dyn OutputSink,
+    display_id: String,
+    title: String,
+    lines: Mutex<Vec<Line>>,
+}
+
+impl<'a> Live<'a> {
+    pub(super) fn start(out: &'a dyn OutputSink, title: String) -> Self {
+        let live = Self {
+            out,
+            display_id: format!("maxbatch-{}", uuid::Uuid::new_v4()),
+            title,
+            lines: Mutex::new(Vec::new()),
+        };
+        live.out.emit(Output::Display {
+            data: progress(&live.title, &[]),
+            display_id: Some(live.display_id.clone()),
+        });
+        live
+    }
+
+    /// Shows `line`, replacing the running trial's line if there is one.
+    pub(super) fn show(&self, line: Line) {
+        let data = {
+            let mut lines = self.lines.lock().unwrap_or_else(PoisonError::into_inner);
+            if matches!(lines.last(), Some(Line::Running { .. })) {
+                lines.pop();
+            }
+            lines.push(line);
+            progress(&self.title, &lines)
+        };
+        self.out.emit(Output::Update {
+            data,
+            display_id: self.display_id.clone(),
+        });
+    }
+}
+
+pub(super) fn progress(title: &str, lines: &[Line]) -> Bundle {
+    let mut text = format!("{title}\n");
+    for line in lines {
+        text.push_str(&match line {
+            Line::Running { batch, elapsed } => {
+                format!(
+                    "  batch {batch:>6}: running ({:.0} s)\n",
+                    elapsed.as_secs_f64()
+                )
+            }
+            Line::Trial {
+                batch,
+                outcome,
+                fits,
+                ms,
+            } => {
+                let what = match outcome {
+                    Outcome::OutOfMemory => "out of memory".to_string(),
+                    Outcome::Ran { peak, .. } => format!(
+                        "fits, peak {}{}",
+                        human_bytes(*peak),
+                        if *fits { "" } else { " (over the limit)" }
+                    ),
+                };
+                format!("  batch {batch:>6}: {what:<32} {ms:>8.0} ms\n")
+            }
+            Line::Timing {
+                batch,
+                samples_per_s,
+            } => match samples_per_s {
+                Some(v) => format!("  timing {batch:>6}: {v:.0} samples/s\n"),
+                None => format!("  timing {batch:>6}: out of memory\n"),
+            },
+        });
+    }
+    let html = format!("<pre>{}</pre>", html_escape(&text));
+    bundle(text, Some(html))
+}
+
+/// Which engine ran the trials.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum EngineKind {
+    /// The user's own eager steps in their Python kernel.
+    Python,
+    /// gpukernel's in-process libtorch harness.
+    #[cfg_attr(not(feature = "torch"), allow(dead_code))]
+    Libtorch,
+}
+
+/// What the trials ran, in the user's words.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Assumptions {
+    pub(super) engine: EngineKind,
+    /// What one trial step is.
+    pub(super) step: String,
+    pub(super) loss: Option<String>,
+    pub(super) precision: String,
+    pub(super) optimizer: String,
+    pub(super) input: Option<String>,
+}
+
+/// Memory the user's process held when the search started: counted in every trial.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Held {
+    pub(super) who: String,
+    pub(super) allocated: u64,
+    pub(super) reserved: u64,
+}
+
+/// `--throughput`'s timings and its pick.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Throughput {
+    pub(super) points: Vec<(u64, Option<f64>)>,
+    /// The fastest batch; a smaller one within 2% of it wins (less memory, more updates).
+    pub(super) best: Option<u64>,
+}
+
+impl Throughput {
+    pub(super) fn from_points(points: Vec<(u64, Option<f64>)>) -> Self {
+        let fastest = points
+            .iter()
+            .filter_map(|p| p.1)
+            .fold(None, |best: Option<f64>, v| {
+                Some(best.map_or(v, |b| b.max(v)))
+            });
+        let best = fastest.and_then(|top| {
+            points
+                .iter()
+                .filter(|p| p.1.is_some_and(|v| v >= 0.98 * top))
+                .map(|p| p.0)
+                .min()
+        });
+        Self { points, best }
+    }
+}
+
+/// Batch sizes `--throughput` times: the recommendation and fractions of it, multiples of 8.
+pub(super) fn throughput_candidates(recommended: u64) -> Vec<u64> {
+    let mut batches: Vec<u64> = [1.0, 0.75, 0.5, 0.25]
+        .iter()
+        .map(|f| {
+            let b = (recommended as f64 * f) as u64;
+            if b >= 16 {
+                b - b % 8
+            } else {
+                b.max(1)
+            }
+        })
+        .collect();
+    batches.dedup();
+    batches
+}
+
+/// Timed steps per `--throughput` candidate (after two warm-up steps).
+pub(super) const THROUGHPUT_STEPS: u32 = 5;
+
+/// `--limit`: the card size asked about and the CUDA context taken off it (`None` where NVML
+/// could not say).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Card {
+    pub(super) bytes: u64,
+    pub(super) context: Option<u64>,
+}
+
+/// Everything the answer shows.
+#[derive(Debug, Clone)]
+pub(super) struct Findings {
+    /// What was sized, as the user named it.
+    pub(super) model: String,
+    pub(super) search: SearchResult,
+    pub(super) assumptions: Assumptions,
+    /// Bytes a trial may peak at.
+    pub(super) limit: u64,
+    pub(super) device_total: u64,
+    /// `--limit`: the card asked about.
+    pub(super) card: Option<Card>,
+    pub(super) elapsed_ms: f64,
+    pub(super) trial_ms: Vec<(u64, f64)>,
+    pub(super) trial_reserved: Vec<(u64, u64)>,
+    pub(super) held: Option<Held>,
+    /// One line on what is left afterwards.
+    pub(super) after: String,
+    pub(super) notes: Vec<String>,
+    pub(super) margin_percent: f64,
+    pub(super) throughput: Option<Throughput>,
+}
+
+impl Findings {
+    pub(super) fn recommended(&self) -> Option<u64> {
+        self.search
+            .max_fit
+            .map(|m| gpuprobe::search::recommend(m, self.margin_percent / 100.0))
+    }
+}
+
+/// The result: maximum, recommendation, assumptions, and the chart.
+pub(super) fn summary(f: &Findings) -> Bundle {
+    let search = &f.search;
+    let recommended = f.recommended();
+    let accuracy = if search.exact {
+        String::new()
+    } else if search.settled {
+        " (within 1%: --exact for the last sample)".to_string()
+    } else {
+        " (not confirmed: trial budget reached)".to_string()
+    };
+    let mut text = match (search.max_fit, recommended) {
+        (Some(max), Some(rec)) => format!(
+            "%maxbatch {}: largest batch that fits: {max}{accuracy}; recommended: {rec} ({}% margin{})\n",
+            f.model,
+            f.margin_percent,
+            if rec % 8 == 0 && rec >= 16 { ", multiple of 8" } else { "" },
+        ),
+        _ => format!(
+            "%maxbatch {}: not even a batch of 1 fits in {}.\n",
+            f.model,
+            human_bytes(f.limit)
+        ),
+    };
+    if let Some(t) = &f.throughput {
+        for (batch, speed) in &t.points {
+            let speed = speed.map_or("out of memory".to_string(), |v| format!("{v:.0} samples/s"));
+            let mark = if Some(*batch) == t.best {
+                "  <- fastest"
+            } else {
+                ""
+            };
+            text.push_str(&format!("  batch {batch:>6}: {speed}{mark}\n"));
+        }
+    }
+    let card = match f.card {
+        Some(Card {
+            bytes,
+            context: Some(ctx),
+        }) => format!(
+            " (a {} card less {} of CUDA context)",
+            human_bytes(bytes),
+            human_bytes(ctx)
+        ),
+        Some(Card {
+            bytes,
+            context: None,
+        }) => format!(" (a {} card)", human_bytes(bytes)),
+        None => String::new(),
+    };
+    text.push_str(&format!(
+        "  {} trials in {:.1} s; memory limit {}{card} on a {} GPU\n",
+        search.trials.len(),
+        f.elapsed_ms / 1000.0,
+        human_bytes(f.limit),
+        human_bytes(f.device_total)
+    ));
+    if let Some((fixed, per)) = search.fit {
+        text.push_str(&format!(
+            "  allocated ~ {} fixed + {} per sample (fit of the first two trials)\n",
+            human_bytes(fixed.max(0.0) as u64),
+            human_bytes(per.max(0.0) as u64)
+        ));
+    }
+    let a = &f.assumptions;
+    let engine = match a.engine {
+        EngineKind::Python => "python (your Python kernel, eager)",
+        EngineKind::Libtorch => "libtorch (in gpukernel)",
+    };
+    text.push_str(&format!("  engine: {engine}; step: {}\n", a.step));
+    let mut assumed = vec![format!("precision {}", a.precision)];
+    if let Some(loss) = &a.loss {
+        assumed.push(format!("loss {loss}"));
+    }
+    assumed.push(format!("optimizer {}", a.optimizer));
+    if let Some(input) = &a.input {
+        assumed.push(format!("input {input}"));
+    }
+    text.push_str(&format!("  assumed: {}\n", assumed.join("; ")));
+    if let Some(h) = &f.held {
+        text.push_str(&format!(
+            "  {} held {} allocated ({} reserved) when the search began, counted in every trial\n",
+            h.who,
+            human_bytes(h.allocated),
+            human_bytes(h.reserved)
+        ));
+    }
+    text.push_str(&format!("  {}\n", f.after));
+    for note in &f.notes {
+        text.push_str(&format!("  note: {note}\n"));
+    }
+    let mut html = format!("<pre>{}</pre>", html_escape(&text));
+    html.push_str(&chart(search, &f.trial_reserved, f.limit));
+    let mut data = bundle(text, Some(html));
+    let value = json!({
+        "model": f.model, "max_batch": search.max_fit, "exact": search.exact,
+        "settled": search.settled, "recommended": recommended,
+        "margin_percent": f.margin_percent, "limit_bytes": f.limit,
+        "device_total_bytes": f.device_total,
+        "card_bytes": f.card.map(|c| c.bytes), "context_bytes": f.card.and_then(|c| c.context),
+        "fit": {"fixed_bytes": search.fit.map(|x| x.0), "bytes_per_sample": search.fit.map(|x| x.1)},
+        "engine": a.engine, "assumptions": a, "held": f.held,
+        "throughput": f.throughput.as_ref().map(|t| json!({"points": t.points, "fastest": t.best})),
+        "trials": search.trials, "stopped": search.stopped, "trial_ms": f.trial_ms,
+        "trial_reserved": f.trial_reserved, "elapsed_ms": f.elapsed_ms, "notes": f.notes,
+    });
+    data.insert("application/json".into(), value);
+    data
+}
+
+/// Peak memory against batch size: trials, the fitted line and the limit, as inline SVG.
+fn chart(search: &SearchResult, reserved: &[(u64, u64)], limit: u64) -> String {
+    let (w, h, pad) = (480.0, 240.0, 40.0);
+    let max_b = search
+        .trials
+        .iter()
+        .map(|t| t.batch as f64)
+        .fold(1.0, f64::max)
+        * 1.05;
+    let max_m = limit as f64 * 1.15;
+    let x = |b: f64| pad + (w - 2.0 * pad) * b / max_b;
+    let y = |m: f64| h - pad - (h - 2.0 * pad) * (m / max_m).min(1.0);
+    let gib = 1024f64.powi(3);
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" style=\"font:11px sans-serif\">\
+         <line x1=\"{pad}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"#888\"/>\
+         <line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{}\" stroke=\"#888\"/>\
+         <text x=\"{}\" y=\"{}\" text-anchor=\"middle\">batch size</text>\
+         <text x=\"4\" y=\"{}\">GiB</text>",
+        h - pad, w - pad, h - pad, h - pad, w / 2.0, h - 8.0, pad - 8.0
+    );
+    svg.push_str(&format!(
+        "<line x1=\"{pad}\" y1=\"{ly}\" x2=\"{}\" y2=\"{ly}\" stroke=\"#d9534f\" stroke-dasharray=\"4\"/>\
+         <text x=\"{}\" y=\"{}\" fill=\"#d9534f\" text-anchor=\"end\">limit {:.1} GiB</text>",
+        w - pad,
+        w - pad,
+        y(limit as f64) - 4.0,
+        limit as f64 / gib,
+        ly = y(limit as f64)
+    ));
+    if let Some((c, s)) = search.fit {
+        svg.push_str(&format!(
+            "<line x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"#5b8def\" stroke-dasharray=\"2\"/>",
+            x(0.0),
+            y(c.max(0.0)),
+            x(max_b),
+            y(c + s * max_b)
+        ));
+    }
+    // The cache's reserved peaks, hollow: what the device held beside what was allocated.
+    for &(b, r) in reserved {
+        svg.push_str(&format!(
+            "<circle cx=\"{}\" cy=\"{}\" r=\"3\" fill=\"none\" stroke=\"#999\"><title>batch {b}: {:.2} GiB reserved</title></circle>",
+            x(b as f64),
+            y(r as f64),
+            r as f64 / gib
+        ));
+    }
+    for t in &search.trials {
+        let b = t.batch as f64;
+        match t.outcome {
+            Outcome::Ran { peak, .. } => svg.push_str(&format!(
+                "<circle cx=\"{}\" cy=\"{}\" r=\"4\" fill=\"{}\"><title>batch {b}: {:.2} GiB</title></circle>",
+                x(b),
+                y(peak as f64),
+                if t.fits { "#5cb85c" } else { "#f0ad4e" },
+                peak as f64 / gib
+            )),
+            Outcome::OutOfMemory => svg.push_str(&format!(
+                "<text x=\"{}\" y=\"{}\" fill=\"#d9534f\" text-anchor=\"middle\">✕<title>batch {b}: out of memory</title></text>",
+                x(b),
+                pad - 2.0
+            )),
+        }
+    }
+    svg.push_str("</svg>");
+    svg
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuprobe::search::Trial;
+
+    fn findings() -> Findings {
+        let ran = |batch, peak| Trial {
+            batch,
+            outcome: Outcome::Ran {
+                peak,
+                reserved: peak,
+            },
+            fits: true,
+        };
+        Findings {
+            model: "model".into(),
+            search: SearchResult {
+                max_fit: Some(1705),
+                min_fail: Some(1706),
+                exact: true,
+                settled: true,
+                trials: vec![
+                    ran(4, 573_000_000),
+                    ran(64, 1_787_000_000),
+                    ran(1705, 148_000_000_000),
+                    Trial {
+                        batch: 1706,
+                        outcome: Outcome::OutOfMemory,
+                        fits: false,
+                    },
+                ],
+                fit: Some((4.0e8, 8.67e7)),
+                stopped: None,
+            },
+            assumptions: Assumptions {
+                engine: EngineKind::Python,
+                step: "a standard step of model".into(),
+                loss: Some("cross-entropy over the last dimension (1000 classes)".into()),
+                precision: "fp32".into(),
+                optimizer: "the notebook's opt (AdamW)".into(),
+                input: Some("3x224x224".into()),
+            },
+            limit: 150_000_000_000,
+            device_total: 150_000_000_000,
+            card: None,
+            elapsed_ms: 3000.0,
+            trial_ms: vec![(4, 100.0)],
+            trial_reserved: vec![(4, 600_000_000)],
+            held: Some(Held {
+                who: "your Python kernel (pid 7)".into(),
+                allocated: 1 << 30,
+                reserved: 2 << 30,
+            }),
+            after: "your state is as it was".into(),
+            notes: vec![],
+            margin_percent: 5.0,
+            throughput: None,
+        }
+    }
+
+    #[test]
+    fn summary_states_the_answer_its_assumptions_and_draws_the_trials() {
+        let data = summary(&findings());
+        let text = data["text/plain"].as_str().unwrap();
+        assert!(text.contains("largest batch that fits: 1705"), "{text}");
+        assert!(text.contains("recommended: 1616"), "{text}");
+        assert!(text.contains("engine: python"), "{text}");
+        assert!(text.contains("loss cross-entropy"), "{text}");
+        assert!(
+            text.contains("optimizer the notebook's opt (AdamW)"),
+            "{text}"
+        );
+        assert!(text.contains("held 1.00 GiB allocated"), "{text}");
+        let html = data["text/html"].as_str().unwrap();
+        assert_eq!(html.matches("<circle").count(), 4); // 3 allocated peaks, 1 reserved
+        assert!(html.contains("out of memory"));
+        let value = &data["application/json"];
+        assert_eq!(value["recommended"], 1616);
+        assert_eq!(value["engine"], "python");
+        assert_eq!(value["trials"][3]["outcome"]["result"], "out_of_memory");
+    }
+
+    #[test]
+    fn progress_replaces_the_running_line() {
+        let lines = [
+            Line::Trial {
+                batch: 4,
+                outcome: Outcome::Ran {
+                    peak: 1 << 30,
+                    reserved: 1 << 30,
+                },
+                fits: true,
+                ms: 12.0,
+            },
+            Line::Running {
+                batch: 64,
+                elapsed: Duration::from_secs(3),
+            },
+        ];
+        let text = progress("%maxbatch", &lines)["text/plain"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(text.contains("batch      4: fits, peak 1.00 GiB"), "{text}");
+        assert!(text.contains("batch     64: running (3 s)"), "{text}");
+    }
+
+    #[test]
+    fn throughput_picks_the_fastest_and_prefers_the_smaller_on_a_tie() {
+        let t = Throughput::from_points(vec![
+            (1568, Some(2990.0)),
+            (1176, Some(3000.0)),
+            (784, Some(2950.0)),
+            (392, Some(2500.0)),
+        ]);
+        assert_eq!(t.best, Some(784));
+        let t = Throughput::from_points(vec![(64, None), (32, Some(10.0))]);
+        assert_eq!(t.best, Some(32));
+        assert_eq!(Throughput::from_points(vec![(64, None)]).best, None);
+    }
+
+    #[test]
+    fn throughput_candidates_are_multiples_of_eight_below_the_recommendation() {
+        assert_eq!(throughput_candidates(1568), vec![1568, 1176, 784, 392]);
+        assert_eq!(throughput_candidates(8), vec![8, 6, 4, 2]);
+        assert_eq!(throughput_candidates(1), vec![1]);
+    }
+}

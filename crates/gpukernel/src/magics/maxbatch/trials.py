@@ -1,0 +1,724 @@
+"""%maxbatch's python engine: the trials run inside the user's own Python kernel.
+
+gpukernel's search (Rust) picks the batch sizes and draws the progress; this module runs each
+trial as real eager training steps of the user's model in the user's process, and answers with
+what torch's caching allocator measured. gpukernel installs the source as a private module
+(in ``sys.modules`` under a private key, removed by ``close``) and calls it through silent user_expressions, so
+the notebook gains no names, no history and no execution count.
+
+The user's state survives every trial exactly. ``prepare`` copies to host memory (never a
+second GPU copy) the parameters, buffers, gradients, optimizer state and hyper-parameters,
+GradScaler and LR-scheduler state, the random number generators (torch CPU and CUDA, Python's
+``random``, NumPy's global one) and every module's training flag; after each trial (success,
+out of memory, an error in the user's step, an interrupt) they are put back in place.
+
+A trial is one of:
+- ``step``: the user's own function ``FN(batch_size)``, called ``steps`` times, exactly as their
+  loop would call it (the previous call's return value alive until the next returns);
+- ``module``: a standard step built from the module, shaped like the usual training loop:
+  ``zero_grad(set_to_none=True)``; forward (under ``torch.autocast`` with ``amp``); the loss;
+  backward (through a ``GradScaler`` for fp16); the optimizer step. As in a ``for`` loop, the
+  previous step's output is still alive while the next forward runs.
+
+Out of memory is recognised by type (``torch.OutOfMemoryError``) or by the allocator's own
+``num_ooms`` counter going up, never by the message's text.
+"""
+
+import gc
+import sys
+import time
+
+
+class MaxBatchError(Exception):
+    """A problem with what the user asked for, said in a way they can act on."""
+
+
+def _torch():
+    torch = sys.modules.get("torch")
+    if torch is None:
+        raise MaxBatchError("torch is not imported in this notebook: %maxbatch sizes a model or "
+                            "a step function of the notebook, so import torch and build it first")
+    return torch
+
+
+def _lookup(user_ns, name):
+    parts = name.split(".")
+    if parts[0] not in user_ns:
+        raise MaxBatchError(f"{parts[0]!r} is not defined in this notebook")
+    obj = user_ns[parts[0]]
+    for i, part in enumerate(parts[1:], 1):
+        if not hasattr(obj, part):
+            raise MaxBatchError(f"{'.'.join(parts[:i])} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+# --- the state a trial may touch, and its host-memory copy ------------------------------------
+
+def _host(t):
+    return t.detach().to("cpu", copy=True)
+
+
+def _put(current, saved, device):
+    """Puts a saved tensor back: in place where the tensor is still the same kind, else new."""
+    if (current is not None and current.shape == saved.shape and current.dtype == saved.dtype
+            and current.device == device):
+        current.copy_(saved)
+        return current
+    return saved.to(device)
+
+
+class Snapshot:
+    """Host copies of everything a trial can change, and how to put it back."""
+
+    def __init__(self, torch, modules, optimizers, scalers, schedulers):
+        self.torch = torch
+        params, buffers, seen = [], [], set()
+        for module in modules:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+            for b in module.buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    buffers.append(b)
+        for opt in optimizers:  # parameters an optimizer holds outside any module found
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+        self.params = [(p, _host(p), None if p.grad is None else _host(p.grad)) for p in params]
+        self.buffers = [(b, _host(b)) for b in buffers]
+        self.flags = [(m, m.training) for module in modules for m in module.modules()]
+        self.optimizers = [(opt, self._optimizer_state(opt)) for opt in optimizers]
+        self.scalers = [(s, s.state_dict()) for s in scalers]
+        self.schedulers = [(s, s.state_dict()) for s in schedulers]
+        self.rng = self._rng()
+
+    def _optimizer_state(self, opt):
+        state = {}
+        for p, entry in opt.state.items():
+            state[p] = {k: (v.device, _host(v)) if self.torch.is_tensor(v) else v
+                        for k, v in entry.items()}
+        groups = [{k: (_host(v) if self.torch.is_tensor(v) else v) for k, v in g.items()
+                   if k != "params"} for g in opt.param_groups]
+        return state, groups
+
+    def _rng(self):
+        torch = self.torch
+        rng = {"torch": torch.random.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        if "random" in sys.modules:
+            rng["random"] = sys.modules["random"].getstate()
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            rng["numpy"] = numpy.random.get_state()
+        return rng
+
+    def bytes(self):
+        n = sum(h.numel() * h.element_size() for _, h, _ in self.params)
+        n += sum(g.numel() * g.element_size() for _, _, g in self.params if g is not None)
+        n += sum(h.numel() * h.element_size() for _, h in self.buffers)
+        for _, (state, _) in self.optimizers:
+            for entry in state.values():
+                for v in entry.values():
+                    if isinstance(v, tuple):
+                        n += v[1].numel() * v[1].element_size()
+        return n
+
+    def restore(self):
+        torch = self.torch
+        with torch.no_grad():
+            for p, value, grad in self.params:
+                p.copy_(value)
+                if grad is None:
+                    p.grad = None
+                else:
+                    p.grad = _put(p.grad, grad, p.device)
+            for b, value in self.buffers:
+                b.copy_(value)
+        for m, training in self.flags:
+            m.training = training
+        for opt, (state, groups) in self.optimizers:
+            for p in [p for p in opt.state if p not in state]:
+                del opt.state[p]  # state this trial created: its memory goes now
+            for p, entry in state.items():
+                current = opt.state[p]
+                for k in [k for k in current if k not in entry]:
+                    del current[k]
+                for k, v in entry.items():
+                    current[k] = _put(current.get(k), v[1], v[0]) if isinstance(v, tuple) else v
+            for group, saved in zip(opt.param_groups, groups):
+                for k, v in saved.items():
+                    group[k] = v.clone() if torch.is_tensor(v) else v
+        for scaler, state in self.scalers:
+            scaler.load_state_dict(state)
+            per_optimizer = getattr(scaler, "_per_optimizer_states", None)
+            if per_optimizer is not None:
+                per_optimizer.clear()  # a step cut between scaler.step and scaler.update
+        for scheduler, state in self.schedulers:
+            scheduler.load_state_dict(state)
+        torch.random.set_rng_state(self.rng["torch"])
+        if "cuda" in self.rng:
+            torch.cuda.set_rng_state_all(self.rng["cuda"])
+        if "random" in self.rng:
+            sys.modules["random"].setstate(self.rng["random"])
+        if "numpy" in self.rng:
+            sys.modules["numpy"].random.set_state(self.rng["numpy"])
+
+
+def _stateful_kinds(torch):
+    kinds = {"module": torch.nn.Module, "optimizer": torch.optim.Optimizer}
+    scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if scaler is not None:
+        kinds["scaler"] = scaler
+    cuda_scaler = getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)
+    if cuda_scaler is not None and cuda_scaler is not scaler:
+        kinds["cuda_scaler"] = cuda_scaler
+    scheduler = getattr(torch.optim.lr_scheduler, "LRScheduler", None)
+    if scheduler is not None:
+        kinds["scheduler"] = scheduler
+    return kinds
+
+
+def find_state(torch, user_ns, extra=()):
+    """Every module, optimizer, GradScaler and LR scheduler a step could touch: the notebook's
+    variables, the objects they hold one level down (a Trainer's model and optimizer), and
+    `extra` (a step function's closure and globals). Returns name -> object per kind."""
+    kinds = _stateful_kinds(torch)
+    found = {k: {} for k in ("module", "optimizer", "scaler", "scheduler")}
+    seen = set()
+
+    def visit(name, obj, depth):
+        try:
+            inspect(name, obj, depth)
+        except Exception:  # an odd object (a lazy proxy, say) is not state we can keep
+            pass
+
+    def inspect(name, obj, depth):
+        if id(obj) in seen or isinstance(obj, type) or type(obj).__name__ == "module":
+            return
+        seen.add(id(obj))
+        for kind, cls in kinds.items():
+            if isinstance(obj, cls):
+                found["scaler" if kind == "cuda_scaler" else kind].setdefault(name, obj)
+                return
+        if depth == 0:
+            return
+        if isinstance(obj, dict):
+            items = list(obj.items())[:256]
+            for k, v in items:
+                visit(f"{name}[{k!r}]", v, depth - 1)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj[:256]):
+                visit(f"{name}[{i}]", v, depth - 1)
+        elif hasattr(obj, "__dict__") and not callable(obj):
+            for k, v in list(vars(obj).items())[:256]:
+                visit(f"{name}.{k}", v, depth - 1)
+        elif callable(obj) and hasattr(obj, "__self__"):  # a bound method: its object
+            visit(f"{name}.__self__", obj.__self__, depth)
+
+    for name, obj in list(user_ns.items()):
+        if not name.startswith("_"):
+            visit(name, obj, 1)
+    for name, obj in extra:
+        visit(name, obj, 1)
+    return found
+
+
+def _function_refs(fn):
+    """Objects a step function reaches beyond the notebook's variables: closure cells,
+    functools.partial arguments, a bound method's object, globals it names."""
+    refs = []
+    seen = set()
+    stack = [("step", fn)]
+    while stack and len(refs) < 1024:
+        name, f = stack.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if hasattr(f, "func") and hasattr(f, "args"):  # functools.partial
+            stack.append((f"{name}.func", f.func))
+            refs += [(f"{name}.args[{i}]", a) for i, a in enumerate(f.args)]
+            refs += [(f"{name}.keywords[{k!r}]", v) for k, v in (f.keywords or {}).items()]
+            continue
+        if hasattr(f, "__self__") and not isinstance(f.__self__, type(sys)):
+            refs.append((f"{name}.__self__", f.__self__))
+        f = getattr(f, "__wrapped__", None) or getattr(f, "_torchdynamo_orig_callable", None) or f
+        code = getattr(f, "__code__", None)
+        if code is None:
+            continue
+        for cell_name, cell in zip(code.co_freevars, getattr(f, "__closure__", None) or ()):
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            refs.append((cell_name, value))
+            if callable(value):
+                stack.append((cell_name, value))
+        globals_ = getattr(f, "__globals__", {})
+        for g in code.co_names:
+            if g in globals_:
+                value = globals_[g]
+                refs.append((g, value))
+                if callable(value) and not isinstance(value, type):
+                    stack.append((g, value))
+    return refs
+
+
+# --- the standard step built from a module -------------------------------------------------
+
+def _select_output(torch, out):
+    """The tensor a loss is computed on: the output itself, `.logits` / ['logits'], or the
+    first tensor of a tuple. Returns (tensor, how it was found)."""
+    if torch.is_tensor(out):
+        return out, "output"
+    logits = getattr(out, "logits", None)
+    if torch.is_tensor(logits):
+        return logits, "output.logits"
+    if isinstance(out, dict):
+        if torch.is_tensor(out.get("logits")):
+            return out["logits"], "output['logits']"
+        for k, v in out.items():
+            if torch.is_tensor(v) and v.is_floating_point():
+                return v, f"output[{k!r}]"
+    if isinstance(out, (tuple, list)):
+        for i, v in enumerate(out):
+            if torch.is_tensor(v) and v.is_floating_point():
+                return v, f"output[{i}]"
+    raise MaxBatchError(f"the model returned a {type(out).__name__} with no floating-point "
+                        "tensor to compute a loss on; use --step FN with your own step")
+
+
+class ModuleStep:
+    """One standard training step of a notebook module (see the module docstring)."""
+
+    def __init__(self, torch, user_ns, spec, found):
+        self.torch = torch
+        self.name = spec["target"]
+        model = _lookup(user_ns, self.name)
+        if not isinstance(model, torch.nn.Module):
+            raise MaxBatchError(f"{self.name} is a {type(model).__name__}, not a torch.nn.Module "
+                                "(for a function that runs your own step, use --step)")
+        self.model = model
+        param = next(model.parameters(), None)
+        self.device = param.device if param is not None else torch.device("cpu")
+        floats = [p for p in model.parameters() if p.is_floating_point()]
+        self.dtype = floats[0].dtype if floats else torch.float32
+        self.inference = bool(spec.get("inference"))
+        self.amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.get("amp"))
+        self.input = spec.get("input")
+        self.vocab = spec.get("vocab")
+        self.vocab_from = None
+        if self.input is None:
+            raise MaxBatchError(f"%maxbatch {self.name} needs --input SHAPE, the shape of one "
+                                "sample (e.g. 3x224x224 for images, 512 with --vocab N for "
+                                "token ids)")
+        if self.vocab is None:
+            first = next((m for m in model.modules() if next(m.parameters(False), None)
+                          is not None), None)
+            if isinstance(first, torch.nn.Embedding):
+                self.vocab, self.vocab_from = first.num_embeddings, type(first).__name__
+        self.loss_plan = None
+        self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
+            user_ns, spec, found)
+        self.scaler = None
+        if self.amp is torch.float16 and not self.inference:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+
+    def _optimizer(self, user_ns, spec, found):
+        torch = self.torch
+        if self.inference:
+            return None, "none (inference, no gradients)", False
+        params = {id(p) for p in self.model.parameters()}
+        name = spec.get("optimizer_from")
+        if name:
+            opt = _lookup(user_ns, name)
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise MaxBatchError(f"{name} is a {type(opt).__name__}, not a "
+                                    "torch.optim.Optimizer")
+            if not any(id(p) in params for g in opt.param_groups for p in g["params"]):
+                raise MaxBatchError(f"{name} optimizes none of {self.name}'s parameters")
+            return opt, f"the notebook's {name} ({type(opt).__name__})", False
+        kind = spec.get("optimizer")
+        if kind is None:  # the notebook's own optimizer of this model, if there is just one
+            mine = {n: o for n, o in found["optimizer"].items()
+                    if any(id(p) in params for g in o.param_groups for p in g["params"])}
+            if len(mine) > 1:
+                raise MaxBatchError(f"several optimizers hold {self.name}'s parameters "
+                                    f"({', '.join(sorted(mine))}): name yours with "
+                                    "--optimizer-from VAR, or pick a new one with --optimizer")
+            if mine:
+                n, opt = next(iter(mine.items()))
+                return opt, f"the notebook's {n} ({type(opt).__name__})", False
+            kind = "adamw"
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if kind == "none" or not trainable:
+            return None, "none (gradients only)", True
+        cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
+        extra = {"momentum": 0.9} if kind == "sgd" else {}
+        return cls(trainable, lr=1e-3, **extra), f"a new {cls.__name__} (lr 1e-3)", True
+
+    def make_input(self, batch):
+        torch = self.torch
+        shape = (batch, *self.input)
+        if self.vocab:
+            return torch.randint(0, self.vocab, shape, device=self.device)
+        return torch.randn(shape, device=self.device, dtype=self.dtype)
+
+    def probe_output(self):
+        """The output's shape and dtype for a batch of 2, without gradients (state is put back
+        by the caller's snapshot)."""
+        torch = self.torch
+        self.model.train(not self.inference)
+        x = self.make_input(2)
+        try:
+            with torch.no_grad(), self._autocast():
+                out = self.model(x)
+        except Exception as err:
+            what = "token ids" if self.vocab else str(self.dtype).replace("torch.", "")
+            raise MaxBatchError(
+                f"{self.name}(x) failed for x of shape {tuple(x.shape)} ({what}): "
+                f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}; "
+                "check --input (the shape of one sample) and --vocab") from None
+        tensor, where = _select_output(torch, out)
+        return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
+                "selected": where}
+
+    def _autocast(self):
+        import contextlib
+        if self.amp is None:
+            return contextlib.nullcontext()
+        return self.torch.autocast(self.device.type, dtype=self.amp)
+
+    def _loss(self, out):
+        torch = self.torch
+        F = torch.nn.functional
+        tensor, _ = _select_output(torch, out)
+        plan = self.loss_plan or {"kind": "mean"}
+        if plan["kind"] == "ce":
+            classes = plan["classes"]
+            if plan.get("class_dim", -1) == 1 and tensor.dim() > 2:
+                target = torch.randint(0, classes, (tensor.shape[0], *tensor.shape[2:]),
+                                       device=tensor.device)
+                return F.cross_entropy(tensor, target)
+            target = torch.randint(0, classes, tensor.shape[:-1], device=tensor.device)
+            return F.cross_entropy(tensor.reshape(-1, tensor.shape[-1]), target.reshape(-1))
+        if plan["kind"] == "mse":
+            return F.mse_loss(tensor, torch.randn_like(tensor))
+        return tensor.float().mean()
+
+    def run(self, batch, steps):
+        torch = self.torch
+        model, opt, scaler = self.model, self.optimizer, self.scaler
+        if self.inference:
+            model.eval()
+            out = None
+            with torch.no_grad():
+                for _ in range(steps):
+                    x = self.make_input(batch)
+                    with self._autocast():
+                        out = model(x)
+            return
+        model.train()
+        out = loss = None  # as in a for loop: the last step's output lives into the next
+        for _ in range(steps):
+            x = self.make_input(batch)
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
+            with self._autocast():
+                out = model(x)
+                loss = self._loss(out)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                if opt is not None:
+                    scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                if opt is not None:
+                    opt.step()
+
+    def describe(self):
+        return {"optimizer": self.optimizer_name,
+                "vocab": self.vocab, "vocab_from": self.vocab_from,
+                "input_dtype": "int64 token ids" if self.vocab else
+                str(self.dtype).replace("torch.", ""),
+                "parameters": sum(p.numel() for p in self.model.parameters()),
+                "grad_scaler": self.scaler is not None}
+
+
+class FunctionStep:
+    """The user's own `FN(batch_size)`, called as their loop would call it."""
+
+    def __init__(self, torch, user_ns, spec):
+        self.name = spec["target"]
+        fn = _lookup(user_ns, self.name)
+        if not callable(fn) or isinstance(fn, torch.nn.Module):
+            raise MaxBatchError(f"--step {self.name}: {self.name} is a {type(fn).__name__}, not a "
+                                "function; pass a function FN(batch_size) that runs one full "
+                                "training step")
+        self.fn = fn
+        self.device = None
+
+    def run(self, batch, steps):
+        result = None
+        for _ in range(steps):
+            result = self.fn(batch)  # noqa: F841 (alive until the next call returns, as in a loop)
+
+    def describe(self):
+        return {"optimizer": "whatever your step uses", "parameters": None}
+
+
+# --- the session: prepare, trials, close -------------------------------------------------
+
+class Session:
+    def __init__(self, user_ns, spec):
+        torch = _torch()
+        self.torch = torch
+        if spec["kind"] == "step":
+            step = FunctionStep(torch, user_ns, spec)
+            found = find_state(torch, user_ns, _function_refs(step.fn))
+        else:
+            step = ModuleStep(torch, user_ns, spec, find_state(torch, user_ns))
+            # The standard step touches the module, its optimizer and nothing else.
+            found = {"module": {step.name: step.model}, "optimizer": {}, "scaler": {},
+                     "scheduler": {}}
+            if step.optimizer is not None:
+                found["optimizer"][step.optimizer_name] = step.optimizer
+        self.step = step
+        self.found = found
+        self.cuda = torch.cuda.is_available()
+        device = spec.get("device")
+        if step.device is not None:
+            self.device = step.device
+        elif self.cuda:
+            self.device = torch.device("cuda", device if device is not None
+                                       else torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        if isinstance(step, ModuleStep) and self.cuda and self.device.type != "cuda":
+            raise MaxBatchError(f"{step.name} is on the {self.device.type}, not a GPU: move it "
+                                f"first ({step.name}.cuda() or .to('cuda')), as for training")
+        self.snapshot = Snapshot(torch, list(found["module"].values()),
+                                 list(found["optimizer"].values()),
+                                 list(found["scaler"].values()),
+                                 list(found["scheduler"].values()))
+        self.trials = 0
+        self.saved_fraction = None  # the allocator's cap before --limit changed it
+
+    def on_gpu(self):
+        return self.device.type == "cuda"
+
+    def memory(self):
+        torch = self.torch
+        if not self.on_gpu():
+            return {"device": str(self.device)}
+        d = self.device
+        free, total = torch.cuda.mem_get_info(d)
+        reserved = torch.cuda.memory_reserved(d)
+        fraction = 1.0
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if getter is not None:
+            fraction = float(getter(d))
+        limit = free + reserved
+        if fraction < 1.0:
+            limit = min(limit, int(total * fraction))
+        stats = torch.cuda.memory_stats(d)
+        uuid = getattr(torch.cuda.get_device_properties(d), "uuid", None)
+        return {"device": str(d), "name": torch.cuda.get_device_name(d), "total": total,
+                "uuid": None if uuid is None else str(uuid),
+                "free": free, "fraction": fraction, "limit": limit,
+                "allocated": torch.cuda.memory_allocated(d), "reserved": reserved,
+                "num_ooms": stats.get("num_ooms", 0)}
+
+    def describe(self):
+        names = {k: sorted(v) for k, v in self.found.items() if v}
+        return {"device": str(self.device), "cuda": self.cuda, "state": names,
+                "snapshot_bytes": self.snapshot.bytes(), **self.step.describe(),
+                "torch": self.torch.__version__}
+
+    def _num_ooms(self):
+        if not self.on_gpu():
+            return 0
+        return self.torch.cuda.memory_stats(self.device).get("num_ooms", 0)
+
+    def _is_oom(self, err, ooms_before):
+        oom_type = getattr(self.torch, "OutOfMemoryError", None) or self.torch.cuda.OutOfMemoryError
+        return isinstance(err, oom_type) or self._num_ooms() > ooms_before
+
+    def _settle(self):
+        gc.collect()
+        if self.on_gpu():
+            self.torch.cuda.synchronize(self.device)
+            self.torch.cuda.empty_cache()
+
+    def restore(self):
+        for attempt in range(3):  # an interrupt landing in the restore must not leave it half done
+            try:
+                self.snapshot.restore()
+                return
+            except KeyboardInterrupt:
+                if attempt == 2:
+                    raise
+
+    def trial(self, batch, steps, timed=0):
+        torch = self.torch
+        self.trials += 1
+        self._settle()
+        d = self.device
+        if self.on_gpu():
+            torch.cuda.reset_peak_memory_stats(d)
+        before_ooms = self._num_ooms()
+        result = {"batch": batch}
+        started = time.perf_counter()
+        try:
+            self.step.run(batch, steps)
+            if self.on_gpu():
+                torch.cuda.synchronize(d)
+            if timed:
+                t0 = time.perf_counter()
+                self.step.run(batch, timed)
+                if self.on_gpu():
+                    torch.cuda.synchronize(d)
+                result["samples_per_s"] = batch * timed / (time.perf_counter() - t0)
+            if self._num_ooms() > before_ooms:  # the user's step caught an OOM itself
+                result["result"] = "out_of_memory"
+            else:
+                result["result"] = "ran"
+        except KeyboardInterrupt:
+            result["result"] = "interrupted"
+        except BaseException as err:  # the step's own failure: reported, the state put back
+            if self._is_oom(err, before_ooms):
+                result["result"] = "out_of_memory"
+                result["message"] = str(err).strip().splitlines()[0] if str(err) else ""
+            else:
+                result["result"] = "error"
+                result["error"] = {"ename": type(err).__name__, "evalue": str(err),
+                                   "where": _where(err)}
+            # Its frames hold the step's tensors: let them go before the state is put back.
+            err.__traceback__ = err.__context__ = err.__cause__ = None
+            del err
+        result["ms"] = (time.perf_counter() - started) * 1000.0
+        if self.on_gpu():
+            result["peak_allocated"] = torch.cuda.max_memory_allocated(d)
+            result["peak_reserved"] = torch.cuda.max_memory_reserved(d)
+        t0 = time.perf_counter()
+        self._settle()
+        self.restore()
+        self._settle()
+        result["restore_ms"] = (time.perf_counter() - t0) * 1000.0
+        if self.on_gpu():
+            result["allocated_after"] = torch.cuda.memory_allocated(d)
+        return result
+
+
+def _where(err):
+    """The innermost frame of the user's code in a traceback, as 'file:line in function'."""
+    tb, last = err.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_globals is not globals():
+            last = tb
+        tb = tb.tb_next
+    if last is None:
+        return None
+    code = last.tb_frame.f_code
+    return f"{code.co_filename}:{last.tb_lineno} in {code.co_name}"
+
+
+_session = None
+
+
+def prepare(user_ns, spec):
+    """Starts a session: finds what to run and what to keep, snapshots it, and (for a module)
+    runs one forward pass to see the output. Returns what gpukernel needs for the search."""
+    global _session
+    close(user_ns)
+    session = Session(user_ns, spec)
+    _session = session
+    reply = {"describe": session.describe(), "memory": session.memory(), "output": None}
+    if isinstance(session.step, ModuleStep):
+        try:
+            reply["output"] = session.step.probe_output()
+        finally:
+            session.restore()
+            session._settle()
+        reply["memory"] = session.memory()
+    return reply
+
+
+def set_loss(user_ns, plan):
+    _current().step.loss_plan = plan
+    return {"loss": plan}
+
+
+def trial(user_ns, batch, steps=2, timed=0):
+    return _current().trial(int(batch), int(steps), int(timed))
+
+
+def memory(user_ns):
+    return _current().memory()
+
+
+def set_cap(user_ns, bytes):
+    """--limit: caps the allocator at `bytes` (set_per_process_memory_fraction) until close, so
+    a smaller card's out-of-memory errors happen for real in the user's own step."""
+    session = _current()
+    torch = session.torch
+    if not session.on_gpu():
+        raise MaxBatchError("--limit needs the model on a GPU")
+    d = session.device
+    total = torch.cuda.mem_get_info(d)[1]
+    if session.saved_fraction is None:
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        session.saved_fraction = float(getter(d)) if getter is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(1.0, bytes / total), d)
+    return session.memory()
+
+
+def close(user_ns=None):
+    """Ends the session: the state is put back once more, the copies dropped, and the cache
+    emptied. Safe to call more than once."""
+    global _session
+    session, _session = _session, None
+    sys.modules.pop(__name__, None)  # gpukernel's key for this module: the kernel keeps nothing
+    if session is None:
+        return {"closed": False}
+    try:
+        session.restore()
+    finally:
+        if session.saved_fraction is not None:
+            session.torch.cuda.set_per_process_memory_fraction(session.saved_fraction,
+                                                               session.device)
+    del session.snapshot
+    session._settle()
+    return {"closed": True, "memory": session.memory()}
+
+
+def _current():
+    if _session is None:
+        raise MaxBatchError("no %maxbatch session is open in this kernel")
+    return _session
+
+
+def call(user_ns, name, args_json):
+    """The one entry point gpukernel's expressions use: a function of this module by name with
+    JSON arguments; the reply is JSON text. A problem of the user's request comes back as
+    {"refused": ...}; anything else raises (gpukernel shows it as an engine failure)."""
+    import json
+    functions = {"prepare": prepare, "set_loss": set_loss, "set_cap": set_cap, "trial": trial,
+                 "memory": memory, "close": close}
+    try:
+        return json.dumps(functions[name](user_ns, **json.loads(args_json)))
+    except MaxBatchError as err:
+        if name != "close":
+            try:
+                close(user_ns)
+            except Exception:
+                pass
+        return json.dumps({"refused": str(err)})

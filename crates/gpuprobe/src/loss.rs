@@ -1,0 +1,192 @@
+//! Which loss a standard training step computes on a model's output.
+//!
+//! The loss decides a good part of a step's memory: cross-entropy over a language model's
+//! logits keeps their softmax for backward (batch x sequence x vocabulary floats), where a mean
+//! keeps nothing. So `%maxbatch` trains with the loss the user's loop most likely uses, and says
+//! which one it assumed. Both engines (libtorch and the Python kernel) take their plan from
+//! here, so they cannot disagree about it.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The loss a user asks for (`--loss`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// Cross-entropy against random class targets.
+    Ce,
+    /// Mean squared error against a random target of the output's shape.
+    Mse,
+    /// The output's mean (no target; the smallest backward a step can have).
+    Mean,
+}
+
+/// What the step computes, as both engines run it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LossPlan {
+    /// Cross-entropy over `classes` classes found in `class_dim` of the output: `-1` (the last
+    /// dimension; a language model's `[batch, seq, vocab]` is flattened to `[batch*seq,
+    /// vocab]`) or `1` (`[batch, classes, H, W]`, a segmentation map, as PyTorch's
+    /// cross_entropy takes it).
+    Ce {
+        classes: i64,
+        class_dim: i64,
+    },
+    Mse,
+    Mean,
+}
+
+impl fmt::Display for LossPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LossPlan::Ce {
+                classes,
+                class_dim: -1,
+            } => write!(
+                f,
+                "cross-entropy over the last dimension ({classes} classes)"
+            ),
+            LossPlan::Ce { classes, class_dim } => write!(
+                f,
+                "cross-entropy over dimension {class_dim} ({classes} classes, per position)"
+            ),
+            LossPlan::Mse => write!(f, "mean squared error against a random target"),
+            LossPlan::Mean => write!(f, "the output's mean"),
+        }
+    }
+}
+
+/// Why no plan could be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LossError {
+    #[error("the model's output has shape {shape:?}: cross-entropy needs class scores in it; pick --loss mse or --loss mean, or use --step with your own step")]
+    NoClasses { shape: Vec<i64> },
+    #[error("--target-classes {classes} matches no dimension of the output {shape:?} (batch first); give the number of classes the model outputs")]
+    ClassesNotInOutput { classes: i64, shape: Vec<i64> },
+}
+
+/// The plan for an output of `shape` (batch first).
+///
+/// - `requested` (`--loss`) wins; `None` infers: cross-entropy when the output looks like class
+///   scores, else mean squared error.
+/// - Class scores: the last dimension when it is `target_classes` or `vocab`, or the output is
+///   `[batch, classes]` / `[batch, seq, classes]`; dimension 1 of `[batch, C, H, W, ...]` (a
+///   segmentation map) when C > 1. A last dimension of 1 is a regression.
+pub fn plan(
+    shape: &[i64],
+    requested: Option<LossKind>,
+    target_classes: Option<i64>,
+    vocab: Option<i64>,
+) -> Result<LossPlan, LossError> {
+    match requested {
+        Some(LossKind::Mse) => return Ok(LossPlan::Mse),
+        Some(LossKind::Mean) => return Ok(LossPlan::Mean),
+        _ => {}
+    }
+    let no_classes = || LossError::NoClasses {
+        shape: shape.to_vec(),
+    };
+    let rank = shape.len();
+    let last = shape.last().copied().unwrap_or(0);
+    if let Some(classes) = target_classes {
+        if rank >= 2 && last == classes {
+            return Ok(LossPlan::Ce {
+                classes,
+                class_dim: -1,
+            });
+        }
+        if rank >= 3 && shape[1] == classes {
+            return Ok(LossPlan::Ce {
+                classes,
+                class_dim: 1,
+            });
+        }
+        return Err(LossError::ClassesNotInOutput {
+            classes,
+            shape: shape.to_vec(),
+        });
+    }
+    let ce = requested == Some(LossKind::Ce);
+    let inferred = match rank {
+        _ if rank >= 2 && vocab == Some(last) => Some(LossPlan::Ce {
+            classes: last,
+            class_dim: -1,
+        }),
+        2 | 3 if last > 1 => Some(LossPlan::Ce {
+            classes: last,
+            class_dim: -1,
+        }),
+        r if r >= 4 && shape[1] > 1 => Some(LossPlan::Ce {
+            classes: shape[1],
+            class_dim: 1,
+        }),
+        _ => None,
+    };
+    match inferred {
+        Some(plan) => Ok(plan),
+        None if ce => Err(no_classes()),
+        None if rank == 0 => Ok(LossPlan::Mean),
+        None => Ok(LossPlan::Mse),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ce(classes: i64, class_dim: i64) -> LossPlan {
+        LossPlan::Ce { classes, class_dim }
+    }
+
+    #[test]
+    fn class_scores_get_cross_entropy() {
+        assert_eq!(plan(&[2, 1000], None, None, None), Ok(ce(1000, -1)));
+        // A language model: [batch, seq, vocab].
+        assert_eq!(
+            plan(&[2, 512, 32000], None, None, Some(32000)),
+            Ok(ce(32000, -1))
+        );
+        assert_eq!(plan(&[2, 512, 32000], None, None, None), Ok(ce(32000, -1)));
+        // A segmentation map: [batch, classes, H, W].
+        assert_eq!(plan(&[2, 21, 128, 128], None, None, None), Ok(ce(21, 1)));
+    }
+
+    #[test]
+    fn regressions_get_mse_and_scalars_the_mean() {
+        assert_eq!(plan(&[2, 1], None, None, None), Ok(LossPlan::Mse));
+        assert_eq!(plan(&[2, 1, 64, 64], None, None, None), Ok(LossPlan::Mse));
+        assert_eq!(plan(&[2], None, None, None), Ok(LossPlan::Mse));
+        assert_eq!(plan(&[], None, None, None), Ok(LossPlan::Mean));
+    }
+
+    #[test]
+    fn the_user_decides_first() {
+        assert_eq!(
+            plan(&[2, 1000], Some(LossKind::Mean), None, None),
+            Ok(LossPlan::Mean)
+        );
+        assert_eq!(
+            plan(&[2, 1000], Some(LossKind::Mse), None, None),
+            Ok(LossPlan::Mse)
+        );
+        // Target classes pick the dimension: here the last, not dimension 1.
+        assert_eq!(plan(&[2, 10, 10], None, Some(10), None), Ok(ce(10, -1)));
+        assert_eq!(plan(&[2, 5, 64, 64], None, Some(5), None), Ok(ce(5, 1)));
+        assert!(matches!(
+            plan(&[2, 5], None, Some(7), None),
+            Err(LossError::ClassesNotInOutput { classes: 7, .. })
+        ));
+        let err = plan(&[2, 1], Some(LossKind::Ce), None, None).unwrap_err();
+        assert!(err.to_string().contains("--loss mse"), "{err}");
+    }
+
+    #[test]
+    fn the_plan_says_what_it_computes() {
+        assert_eq!(
+            ce(32000, -1).to_string(),
+            "cross-entropy over the last dimension (32000 classes)"
+        );
+        assert!(ce(21, 1).to_string().contains("per position"));
+    }
+}
