@@ -1,6 +1,7 @@
-"""%maxbatch on a machine without a GPU: argument errors, and model validation by one real CPU
-training step (built-in, TorchScript file, and a module exported from the notebook, which
-must come out untouched). The GPU search itself is checked by bench/gpu/maxbatch_check.py on a
+"""%maxbatch's libtorch engine on a machine without a GPU: argument errors, and model validation
+by one real CPU training step (built-in, TorchScript file, and a module exported from the
+notebook with --engine libtorch, which must come out untouched). The python engine has its own
+file, test_maxbatch_python_engine.py. The GPU search itself is checked by bench/gpu/maxbatch_check.py on a
 CUDA machine."""
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def notebook(tmp_path_factory):
 @pytest.mark.parametrize("variable, method", [("net", "script"), ("traced", "trace")])
 def test_a_notebook_module_is_exported_validated_and_left_untouched(notebook, variable, method):
     kc, tmp = notebook
-    reply, outputs = execute(kc, f"%maxbatch {variable} --input 3x16x16", timeout=120)
+    reply, outputs = execute(kc, f"%maxbatch {variable} --input 3x16x16 --engine libtorch",
+                             timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
     text = stream_text(outputs)
     assert f"saved as TorchScript by torch.jit.{method}" in text, text
@@ -142,16 +144,19 @@ def test_a_notebook_module_is_exported_validated_and_left_untouched(notebook, va
 
 def test_an_unscriptable_module_needs_an_input_shape(notebook):
     kc, tmp = notebook
-    reply, _ = execute(kc, "%maxbatch traced", timeout=60)
+    reply, _ = execute(kc, "%maxbatch traced --engine libtorch", timeout=60)
     assert reply["content"]["status"] == "error"
     assert "pass --input SHAPE so it can be traced" in reply["content"]["evalue"]
     assert list(tmp.glob("gpukernel-maxbatch-*")) == []
 
 
 @pytest.mark.parametrize("cell, expected", [
-    ("%maxbatch nosuch", "'nosuch' is not defined in this notebook"),
-    ("%maxbatch before", "before is a dict, not a torch.nn.Module"),
-    ("%maxbatch net.nosuch", "has no attribute 'nosuch'"),
+    ("%maxbatch nosuch --engine libtorch", "'nosuch' is not defined in this notebook"),
+    ("%maxbatch before --engine libtorch", "before is a dict, not a torch.nn.Module"),
+    ("%maxbatch net.nosuch --engine libtorch", "has no attribute 'nosuch'"),
+    ("%maxbatch nosuch --input 8", "'nosuch' is not defined in this notebook"),
+    ("%maxbatch before --input 8", "before is a dict, not a torch.nn.Module"),
+    ("%maxbatch net.nosuch --input 8", "has no attribute 'nosuch'"),
     ("%maxbatch net()", "nor a notebook variable"),
 ])
 def test_notebook_variable_errors_name_the_problem(notebook, cell, expected):

@@ -55,7 +55,12 @@ impl ChildPython {
         let mut ending: Option<(Instant, EvalError)> = None;
         loop {
             tokio::select! {
-                reply = &mut answer => return reply,
+                reply = &mut answer => return match ending {
+                    // Answered after our interrupt: the expression was cut short, so its
+                    // answer is not the one asked for.
+                    Some((_, why @ EvalError::TimedOut(_))) => Err(why),
+                    _ => reply,
+                },
                 _ = ticks.tick() => {
                     (bound.tick)(started.elapsed());
                     if ending.is_none() && started.elapsed() > bound.limit {

@@ -259,8 +259,9 @@ pub(super) fn run(
         None => None,
     };
     let assumptions = assumptions(args, &spec, &prepared, loss.as_ref());
+    let trial_limit = Duration::from_secs_f64(args.trial_timeout);
     if !prepared.describe.cuda || !prepared.memory.device.starts_with("cuda") {
-        return validate_without_gpu(&mut session, &prepared, &assumptions);
+        return validate_without_gpu(&mut session, &prepared, &assumptions, trial_limit);
     }
     let (memory, card) = match args.limit {
         Some(card) => cap(&session, python.pid(), &prepared.memory, card)?,
@@ -284,7 +285,6 @@ pub(super) fn run(
             memory.name.as_deref().unwrap_or(&memory.device)
         ),
     );
-    let trial_limit = Duration::from_secs_f64(args.trial_timeout);
     let held_before = memory.allocated.unwrap_or(0);
     let mut trial_ms = Vec::new();
     let mut trial_reserved = Vec::new();
@@ -514,15 +514,21 @@ fn validate_without_gpu(
     session: &mut Session,
     prepared: &Prepared,
     assumptions: &Assumptions,
+    limit: Duration,
 ) -> Result<(), MagicError> {
     let reply: TrialReply = session
-        .call(
-            "trial",
-            json!({"batch": 2, "steps": 1}),
-            SETUP_LIMIT,
-            &mut |_| {},
-        )
-        .map_err(CallError::into_magic)?;
+        .call("trial", json!({"batch": 2, "steps": 1}), limit, &mut |_| {})
+        .map_err(|e| match e {
+            CallError::Eval(EvalError::TimedOut(limit)) => MagicError::new(
+                "MaxBatchError",
+                format!(
+                    "the trial at batch 2 ran past {} s (--trial-timeout) and was interrupted; \
+                     your state was put back",
+                    limit.as_secs_f64()
+                ),
+            ),
+            other => other.into_magic(),
+        })?;
     let said = match reply.result {
         TrialResult::Ran => format!("one step of batch 2 ran on the {}", prepared.memory.device),
         TrialResult::OutOfMemory => "the step ran out of memory at batch 2".to_string(),

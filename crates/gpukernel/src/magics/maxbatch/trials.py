@@ -638,7 +638,7 @@ def prepare(user_ns, spec):
     """Starts a session: finds what to run and what to keep, snapshots it, and (for a module)
     runs one forward pass to see the output. Returns what gpukernel needs for the search."""
     global _session
-    close(user_ns)
+    _end_session()
     session = Session(user_ns, spec)
     _session = session
     reply = {"describe": session.describe(), "memory": session.memory(), "output": None}
@@ -684,9 +684,13 @@ def set_cap(user_ns, bytes):
 def close(user_ns=None):
     """Ends the session: the state is put back once more, the copies dropped, and the cache
     emptied. Safe to call more than once."""
+    sys.modules.pop(__name__, None)  # gpukernel's key for this module: the kernel keeps nothing
+    return _end_session()
+
+
+def _end_session():
     global _session
     session, _session = _session, None
-    sys.modules.pop(__name__, None)  # gpukernel's key for this module: the kernel keeps nothing
     if session is None:
         return {"closed": False}
     try:

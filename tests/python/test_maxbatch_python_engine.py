@@ -1,0 +1,354 @@
+"""%maxbatch's python engine on a machine without a GPU, through a real gpu-python kernel (real
+ipykernel child, real jupyter_client): the engine protocol, the loss it infers, and the user's
+state surviving a trial exactly (tensor by tensor) after success, an out-of-memory error in the
+middle of a step, an error in the user's step, an interrupt and a timeout. Without CUDA the
+engine runs one trial of batch 2 (it has no GPU memory to search); the search itself runs on
+the GPU machine (bench/gpu/maxbatch_truth.py).
+
+The second half drives trials.py in-process with real torch on the CPU: snapshot and restore
+of optimizer state, GradScaler and LR scheduler, what a step function can reach, and the
+standard step's losses."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from kernel_client import collect, execute, running_kernel, stream_text
+
+TRIALS = Path(__file__).resolve().parents[2] / "crates/gpukernel/src/magics/maxbatch/trials.py"
+
+# A model mid-training, with every kind of state a trial could disturb: BatchNorm statistics,
+# gradients, AdamW state, an LR scheduler, a GradScaler, training flags (eval on one
+# submodule), and the torch, random and NumPy generators.
+NOTEBOOK = r"""
+import copy, random, time
+import numpy as np
+import torch
+import torch.nn.functional as F
+torch.manual_seed(0); random.seed(0); np.random.seed(0)
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab=50, dim=16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.norm = torch.nn.BatchNorm1d(dim)
+        self.drop = torch.nn.Dropout(0.1)
+        self.head = torch.nn.Linear(dim, vocab)
+    def forward(self, x):
+        h = self.emb(x)
+        h = self.norm(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(self.drop(h))
+
+class Seg(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 5, 3, padding=1)
+    def forward(self, x):
+        return self.conv(x)
+
+class Regress(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1)
+    def forward(self, x):
+        return self.lin(x)
+
+lm = TinyLM()
+opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+for _ in range(2):
+    x = torch.randint(0, 50, (4, 8))
+    out = lm(x)
+    F.cross_entropy(out.reshape(-1, 50), torch.randint(0, 50, (32,))).backward()
+    opt.step(); sched.step()
+lm.drop.eval()
+seg, regress = Seg(), Regress()
+
+def snapshot():
+    return (copy.deepcopy(lm.state_dict()), [None if p.grad is None else p.grad.clone()
+                                            for p in lm.parameters()],
+            copy.deepcopy(opt.state_dict()), copy.deepcopy(sched.state_dict()),
+            scaler.state_dict(), [m.training for m in lm.modules()],
+            torch.random.get_rng_state(), random.getstate(), np.random.get_state())
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+def lm_step(batch):
+    opt.zero_grad()
+    out = lm(torch.randint(0, 50, (batch, 8)))
+    F.cross_entropy(out.reshape(-1, 50), torch.randint(0, 50, (batch * 8,))).backward()
+    opt.step(); sched.step()
+
+def oom_mid_step(batch):
+    lm_step(batch)      # the weights, AdamW state and scheduler have moved...
+    torch.randn(3)      # ...and the generator...
+    raise torch.cuda.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.2 GiB total capacity)")
+
+def broken_step(batch):
+    lm_step(batch)
+    raise ValueError(f"shapes do not match at batch {batch}")
+
+def slow_step(batch):
+    lm_step(batch)
+    time.sleep(60)
+
+def catches_its_own_oom(batch):
+    lm_step(batch)
+    try:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+    except torch.cuda.OutOfMemoryError:
+        pass
+
+opt2 = torch.optim.SGD(lm.parameters(), lr=0.1)
+not_a_module = {"a": 1}
+names_before = sorted(k for k in get_ipython().user_ns if not k.startswith("_"))
+before = snapshot()
+"""
+
+# The state as it was, no new names in the notebook (beyond the two the setup cell made after
+# listing them), and no module of gpukernel's left in sys.modules.
+UNCHANGED = ("print(same(before, snapshot()),"
+             " sorted(k for k in get_ipython().user_ns if not k.startswith('_'))"
+             " == sorted(names_before + ['before', 'names_before']),"
+             " [k for k in __import__('sys').modules if k.startswith('_gpukernel')])")
+
+
+@pytest.fixture(scope="module")
+def notebook():
+    with running_kernel("gpu-python") as (km, kc):
+        reply, _ = execute(kc, NOTEBOOK, timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        yield km, kc
+
+
+def assert_untouched(kc):
+    _, outputs = execute(kc, UNCHANGED, timeout=60)
+    assert stream_text(outputs).strip() == "True True []", outputs
+
+
+def test_a_module_step_is_checked_and_the_state_survives_it(notebook):
+    _, kc = notebook
+    reply, outputs = execute(kc, "%maxbatch lm --input 8 --optimizer-from opt", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    text = stream_text(outputs)
+    assert "No CUDA GPU is visible to torch in your Python kernel" in text, text
+    assert "one step of batch 2 ran on the cpu" in text, text
+    # The vocabulary came from the model's Embedding, the loss from the output's shape.
+    assert "loss cross-entropy over the last dimension (50 classes)" in text, text
+    assert "your state is as it was" in text, text
+    assert_untouched(kc)
+
+
+@pytest.mark.parametrize("cell, loss", [
+    ("%maxbatch seg --input 3x8x8 --optimizer sgd", "cross-entropy over dimension 1 (5 classes"),
+    ("%maxbatch regress --input 8", "mean squared error"),
+    ("%maxbatch regress --input 8 --loss mean", "the output's mean"),
+    # --target-classes picks the dimension: of [2, 5, 8, 8], the last one holds 8.
+    ("%maxbatch seg --input 3x8x8 --target-classes 8", "the last dimension (8 classes)"),
+])
+def test_the_loss_is_inferred_from_the_output_and_stated(notebook, cell, loss):
+    _, kc = notebook
+    reply, outputs = execute(kc, cell, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert loss in stream_text(outputs), stream_text(outputs)
+    assert_untouched(kc)
+
+
+def test_an_out_of_memory_error_mid_step_is_reported_and_the_state_put_back(notebook):
+    _, kc = notebook
+    reply, outputs = execute(kc, "%maxbatch --step oom_mid_step", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert "the step ran out of memory at batch 2" in stream_text(outputs), outputs
+    assert_untouched(kc)
+
+
+def test_an_out_of_memory_error_the_step_catches_is_not_a_fit(notebook):
+    """The allocator's counter is the cross-check: on the CPU it does not move, so a caught
+    exception is the step's own business and the step ran."""
+    _, kc = notebook
+    reply, outputs = execute(kc, "%maxbatch --step catches_its_own_oom", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert "one step of batch 2 ran" in stream_text(outputs)
+    assert_untouched(kc)
+
+
+def test_a_step_that_raises_is_explained_and_the_state_put_back(notebook):
+    _, kc = notebook
+    reply, _ = execute(kc, "%maxbatch --step broken_step", timeout=120)
+    content = reply["content"]
+    assert content["status"] == "error"
+    assert "ValueError: shapes do not match at batch 2" in content["evalue"], content
+    assert "in broken_step" in content["evalue"], content  # where in the user's code
+    assert_untouched(kc)
+
+
+def test_an_interrupt_mid_step_ends_the_cell_and_puts_the_state_back(notebook):
+    km, kc = notebook
+    msg_id = kc.execute("%maxbatch --step slow_step")
+    time.sleep(3)
+    started = time.monotonic()
+    km.interrupt_kernel()
+    reply, _ = collect(kc, msg_id, timeout=30)
+    assert time.monotonic() - started < 5
+    assert reply["content"]["status"] == "error"
+    assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+    assert_untouched(kc)
+    reply, outputs = execute(kc, "print(1 + 1)")
+    assert stream_text(outputs) == "2\n"
+
+
+def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
+    _, kc = notebook
+    started = time.monotonic()
+    reply, _ = execute(kc, "%maxbatch --step slow_step --trial-timeout 2", timeout=60)
+    assert time.monotonic() - started < 20
+    assert reply["content"]["status"] == "error"
+    assert "ran past 2 s (--trial-timeout)" in reply["content"]["evalue"], reply["content"]
+    assert_untouched(kc)
+
+
+@pytest.mark.parametrize("cell, expected", [
+    ("%maxbatch lm", "needs --input SHAPE"),
+    ("%maxbatch not_a_module --input 8", "not_a_module is a dict, not a torch.nn.Module"),
+    ("%maxbatch opt --input 8", "(for a function that runs your own step, use --step)"),
+    ("%maxbatch lm --input 8", "several optimizers hold lm's parameters (opt, opt2)"),
+    ("%maxbatch lm --input 8 --optimizer-from not_a_module", "not a torch.optim.Optimizer"),
+    ("%maxbatch --step lm", "not a function"),
+    ("%maxbatch --step nosuch", "'nosuch' is not defined in this notebook"),
+    ("%maxbatch --step lm_step --input 8", "cannot be used with"),
+    ("%maxbatch --step lm_step --engine libtorch", "drop --engine libtorch"),
+    ("%maxbatch lm --input 8 --dtype bf16", "--dtype is for the libtorch engine"),
+    ("%maxbatch regress --input 8 --loss ce", "cross-entropy needs class scores"),
+    ("%maxbatch seg --input 3x8x8 --target-classes 7", "matches no dimension of the output"),
+    ("%maxbatch lm --input 3x8 --optimizer-from opt", "check --input"),
+    ("%maxbatch --step 'f()'", "is not a name"),
+])
+def test_bad_requests_name_the_problem_and_change_nothing(notebook, cell, expected):
+    _, kc = notebook
+    reply, _ = execute(kc, cell, timeout=60)
+    assert reply["content"]["status"] == "error", reply["content"]
+    assert expected in reply["content"]["evalue"], reply["content"]["evalue"]
+    assert_untouched(kc)
+
+
+# --- trials.py in-process ---------------------------------------------------------------
+
+@pytest.fixture()
+def trials():
+    spec = importlib.util.spec_from_file_location("_gpukernel_maxbatch_test", TRIALS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def call(trials, ns, name, **args):
+    return json.loads(trials.call(ns, name, json.dumps(args)))
+
+
+def test_state_the_trial_created_is_dropped_and_state_it_changed_restored(trials):
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 3))
+    fresh = torch.optim.Adam(model.parameters())  # no state yet: a trial creates it
+    ns = {"model": model, "fresh": fresh}
+    weights = [p.detach().clone() for p in model.parameters()]
+    stats = model[1].running_mean.clone()
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                              "input": [4]})
+    assert reply["describe"]["optimizer"] == "the notebook's fresh (Adam)"
+    assert reply["output"]["shape"] == [2, 3]
+    call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 3, "class_dim": -1})
+    result = call(trials, ns, "trial", batch=4, steps=2)
+    assert result["result"] == "ran", result
+    assert len(fresh.state) == 0, "the trial's Adam state is gone"
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    assert torch.equal(stats, model[1].running_mean)
+    assert call(trials, ns, "close")["closed"] is True
+
+
+def test_a_step_function_reaches_state_through_closures_partials_and_objects(trials):
+    import functools
+
+    import torch
+
+    class Trainer:
+        def __init__(self):
+            self.model = torch.nn.Linear(2, 2)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+        def step(self, batch):
+            self.opt.zero_grad()
+            self.model(torch.randn(batch, 2)).sum().backward()
+            self.opt.step()
+
+    trainer = Trainer()
+    hidden = torch.nn.Linear(3, 3)  # reached only through the closure
+
+    def make_step():
+        def step(batch, scale):
+            hidden(torch.randn(batch, 3)).sum().mul(scale).backward()
+        return step
+
+    partial = functools.partial(make_step(), scale=2.0)
+    found = trials.find_state(torch, {"trainer_step": trainer.step},
+                              trials._function_refs(trainer.step))
+    assert trainer.model in found["module"].values()
+    assert trainer.opt in found["optimizer"].values()
+    found = trials.find_state(torch, {}, trials._function_refs(partial))
+    assert hidden in found["module"].values()
+
+
+def test_a_grad_scaler_and_scheduler_cut_mid_step_are_put_back(trials):
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+
+    def step(batch):
+        loss = model(torch.randn(batch, 4)).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)  # cut before scaler.update(): its per-optimizer state says "stepped"
+        sched.step()
+        raise KeyboardInterrupt
+
+    ns = {"model": model, "opt": opt, "sched": sched, "scaler": scaler, "step": step}
+    lr, scale = opt.param_groups[0]["lr"], scaler.get_scale()
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    assert call(trials, ns, "trial", batch=2, steps=1)["result"] == "interrupted"
+    assert opt.param_groups[0]["lr"] == lr and sched.last_epoch == 0
+    assert scaler.get_scale() == scale
+    call(trials, ns, "close")
+    # The scaler works again as in a fresh loop (no "step() already called" error).
+    scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_refusals_come_back_as_data_and_close_the_session(trials):
+    import sys
+
+    reply = call(trials, {}, "prepare", spec={"kind": "module", "target": "nope", "input": [1]})
+    assert reply == {"refused": "'nope' is not defined in this notebook"}
+    assert call(trials, {}, "trial", batch=1) == {"refused": "no %maxbatch session is open in "
+                                                             "this kernel"}
+    assert "_gpukernel_maxbatch_test" not in sys.modules
