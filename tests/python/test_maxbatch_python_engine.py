@@ -352,3 +352,23 @@ def test_refusals_come_back_as_data_and_close_the_session(trials):
     assert call(trials, {}, "trial", batch=1) == {"refused": "no %maxbatch session is open in "
                                                              "this kernel"}
     assert "_gpukernel_maxbatch_test" not in sys.modules
+
+
+def test_token_ids_are_recognised_behind_a_positional_parameter(trials):
+    import torch
+
+    class GPTish(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Parameter(torch.zeros(8, 4))  # the root's own parameter
+            self.tok = torch.nn.Embedding(30, 4)
+            self.head = torch.nn.Linear(4, 30)
+
+        def forward(self, x):
+            return self.head(self.tok(x) + self.pos[: x.shape[1]])
+
+    ns = {"m": GPTish()}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "m", "input": [8]})
+    assert reply["describe"]["vocab"] == 30 and reply["describe"]["vocab_from"] == "Embedding"
+    assert reply["output"]["shape"] == [2, 8, 30]
+    call(trials, ns, "close")

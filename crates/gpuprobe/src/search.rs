@@ -346,6 +346,9 @@ impl<'a> State<'a> {
                     }
                     // The model says `lo` is the maximum: the trial that settles it.
                     Some(p) if p <= lo => self.closing_above(lo),
+                    // No line yet (one trial ran, one did not): halve the bracket in ratio,
+                    // not in samples, so a far failure costs one trial, not a walk back.
+                    None if hi > 4 * lo => ((lo as f64 * hi as f64).sqrt() as u64).max(lo + 1),
                     // The model overshoots (the cache needs more than the fit sees): back off
                     // from the failure by the least that could settle the answer, then by four
                     // times that, then bisect: a fit a little off costs one or two trials, one
@@ -678,6 +681,25 @@ mod tests {
             "{result:?}"
         );
         assert!(result.settled && result.trials.len() <= 10, "{result:?}");
+    }
+
+    #[test]
+    fn a_failure_before_any_line_is_bracketed_by_ratio() {
+        // A language model whose second opening already runs out of memory (measured on an
+        // H200 under a 24 GiB cap: 4 fits, 64 does not, the maximum is 48): the next trial is
+        // the geometric middle, not a walk back from 64.
+        let lm = |b: u64| 4 * GIB + b * 420 * MIB;
+        let config = SearchConfig {
+            limit: 24 * GIB,
+            max_batch: 1 << 16,
+            tolerance: 0.01,
+            ..SearchConfig::default()
+        };
+        let result = search(&config, device(24 * GIB, lm));
+        assert_eq!(result.trials[2].batch, 16, "{result:?}");
+        let truth = true_max(24 * GIB, lm, 1 << 16);
+        assert_eq!(result.max_fit, Some(truth), "{result:?}");
+        assert!(result.trials.len() <= 6, "{result:?}");
     }
 
     #[test]

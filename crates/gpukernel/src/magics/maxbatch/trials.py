@@ -318,8 +318,10 @@ class ModuleStep:
                                 "sample (e.g. 3x224x224 for images, 512 with --vocab N for "
                                 "token ids)")
         if self.vocab is None:
-            first = next((m for m in model.modules() if next(m.parameters(False), None)
-                          is not None), None)
+            # The first layer that holds weights (a leaf: a model may keep a positional
+            # embedding as its own parameter).
+            first = next((m for m in model.modules() if next(m.children(), None) is None
+                          and next(m.parameters(False), None) is not None), None)
             if isinstance(first, torch.nn.Embedding):
                 self.vocab, self.vocab_from = first.num_embeddings, type(first).__name__
         self.loss_plan = None

@@ -1,0 +1,350 @@
+"""Is %maxbatch's number true for the user's own training step? Run on the GPU machine.
+
+A real gpu-python kernel (gpukernel in front of ipykernel, real jupyter_client) runs a notebook
+that defines models and trains them in its own eager loop (`train(name, batch, steps)`: data on
+the GPU, zero_grad, forward under the row's autocast, cross-entropy, backward through a
+GradScaler for fp16, AdamW step). Per row:
+- `%maxbatch ... --json` (ours: trials, seconds, max, recommendation);
+- the same magic with `--search double-bisect` (Lightning's algorithm on the same step: the
+  baseline's trials and seconds);
+- the true maximum: an exact bisection of the notebook's own loop (2 steps per probe) in the
+  same kernel, from a bracket it verifies itself (a batch that fits, one that does not);
+- 30 steps of the notebook's loop at the recommendation;
+- for some rows the libtorch engine (`--engine libtorch`) on the same model and loss;
+- Lightning's BatchSizeFinder on two models, in a separate process.
+
+To fit the session's device minutes, the notebook caps its allocator at CAP_GIB
+(torch.cuda.set_per_process_memory_fraction), as a user sharing the card would: every figure,
+ours and the truth alike, is under the same cap. Writes $OUT/maxbatch_truth.json after each row.
+
+Usage (repo root, GPU machine): python3 bench/gpu/maxbatch_truth.py [ROW ...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(os.environ.get("GPUKERNEL_BIN", ROOT / ".device" / "gpukernel"))
+OUT = Path(os.environ.get("OUT", "."))
+CAP_GIB = float(os.environ.get("CAP_GIB", "24"))
+
+NOTEBOOK = r"""
+import gc, math, time
+import torch, torch.nn as nn, torch.nn.functional as F
+import torch.utils.checkpoint as ckpt
+torch.backends.cuda.matmul.allow_tf32 = True
+torch.backends.cudnn.allow_tf32 = True
+dev = torch.device("cuda")
+total = torch.cuda.mem_get_info()[1]
+torch.cuda.set_per_process_memory_fraction(CAP * 2**30 / total)
+
+class Block(nn.Module):
+    def __init__(s, d, h):
+        super().__init__()
+        s.ln1, s.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        s.qkv, s.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        s.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        s.h = h
+    def forward(s, x):
+        B, T, D = x.shape
+        q, k, v = s.qkv(s.ln1(x)).view(B, T, 3, s.h, D // s.h).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + s.proj(a.transpose(1, 2).reshape(B, T, D))
+        return x + s.mlp(s.ln2(x))
+
+class GPT(nn.Module):
+    def __init__(s, vocab=32000, d=768, layers=8, heads=12, seq=512, checkpoint=False):
+        super().__init__()
+        s.tok, s.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(seq, d))
+        s.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        s.ln, s.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        s.checkpoint = checkpoint
+    def forward(s, idx):
+        x = s.tok(idx) + s.pos[: idx.shape[1]]
+        for b in s.blocks:
+            x = ckpt.checkpoint(b, x, use_reentrant=False) if s.checkpoint and s.training else b(x)
+        return s.head(s.ln(x))
+
+class ViT(nn.Module):  # ViT-B/16
+    def __init__(s, img=224, patch=16, d=768, layers=12, heads=12, classes=1000):
+        super().__init__()
+        s.patch = nn.Conv2d(3, d, patch, patch)
+        n = (img // patch) ** 2
+        s.cls, s.pos = nn.Parameter(torch.zeros(1, 1, d)), nn.Parameter(torch.zeros(1, n + 1, d))
+        s.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, heads, 4 * d, 0.0,
+                                      activation="gelu", batch_first=True, norm_first=True), layers)
+        s.head = nn.Linear(d, classes)
+    def forward(s, x):
+        x = s.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([s.cls.expand(x.shape[0], -1, -1), x], 1) + s.pos
+        return s.head(s.enc(x)[:, 0])
+
+def conv(i, o):
+    return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU(True))
+
+class ResBlock(nn.Module):
+    def __init__(s, i, o, stride):
+        super().__init__()
+        s.a = nn.Sequential(nn.Conv2d(i, o, 3, stride, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU(True),
+                            nn.Conv2d(o, o, 3, 1, 1, bias=False), nn.BatchNorm2d(o))
+        s.skip = nn.Sequential() if stride == 1 and i == o else nn.Sequential(
+            nn.Conv2d(i, o, 1, stride, bias=False), nn.BatchNorm2d(o))
+    def forward(s, x):
+        return F.relu(s.a(x) + s.skip(x))
+
+class ResNet18(nn.Module):
+    def __init__(s, classes=1000):
+        super().__init__()
+        s.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(True),
+                               nn.MaxPool2d(3, 2, 1))
+        chans, layers, i = [64, 128, 256, 512], [], 64
+        for n, c in enumerate(chans):
+            layers += [ResBlock(i, c, 1 if n == 0 else 2), ResBlock(c, c, 1)]
+            i = c
+        s.layers = nn.Sequential(*layers)
+        s.head = nn.Linear(512, classes)
+    def forward(s, x):
+        return s.head(s.layers(s.stem(x)).mean((2, 3)))
+
+class UNet(nn.Module):
+    def __init__(s, classes=21, w=32):
+        super().__init__()
+        s.d1, s.d2, s.d3 = nn.Sequential(conv(3, w), conv(w, w)), nn.Sequential(conv(w, 2*w), conv(2*w, 2*w)), \
+            nn.Sequential(conv(2*w, 4*w), conv(4*w, 4*w))
+        s.u2, s.c2 = nn.ConvTranspose2d(4*w, 2*w, 2, 2), nn.Sequential(conv(4*w, 2*w), conv(2*w, 2*w))
+        s.u1, s.c1 = nn.ConvTranspose2d(2*w, w, 2, 2), nn.Sequential(conv(2*w, w), conv(w, w))
+        s.out = nn.Conv2d(w, classes, 1)
+    def forward(s, x):
+        a = s.d1(x); b = s.d2(F.max_pool2d(a, 2)); c = s.d3(F.max_pool2d(b, 2))
+        b = s.c2(torch.cat([s.u2(c), b], 1)); a = s.c1(torch.cat([s.u1(b), a], 1))
+        return s.out(a)
+
+class LSTMLM(nn.Module):
+    def __init__(s, vocab=32000, d=512, hidden=1024, layers=2):
+        super().__init__()
+        s.emb = nn.Embedding(vocab, d)
+        s.lstm = nn.LSTM(d, hidden, layers, batch_first=True)
+        s.head = nn.Linear(hidden, vocab)
+    def forward(s, x):
+        return s.head(s.lstm(s.emb(x))[0])
+
+# name -> (factory, data maker, amp dtype)
+def tokens(vocab, seq):
+    return lambda b: (torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, vocab, (b, seq), device=dev))
+def images(size, classes):
+    return lambda b: (torch.randn(b, 3, size, size, device=dev), torch.randint(0, classes, (b,), device=dev))
+def masks(size, classes):
+    return lambda b: (torch.randn(b, 3, size, size, device=dev), torch.randint(0, classes, (b, size, size), device=dev))
+
+models, opts, data, amps, scalers = {}, {}, {}, {}, {}
+def make(name, factory, maker, amp=None):
+    torch.manual_seed(0)
+    m = factory().to(dev)
+    models[name], data[name], amps[name] = m, maker, amp
+    opts[name] = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    scalers[name] = torch.amp.GradScaler("cuda") if amp is torch.float16 else None
+    globals()[name] = m
+    globals()[name + "_opt"] = opts[name]
+    return m
+
+def train(name, batch, steps):
+    # The notebook's own loop, as a user writes it.
+    m, opt, scaler, amp = models[name], opts[name], scalers[name], amps[name]
+    m.train()
+    for _ in range(steps):
+        x, y = data[name](batch)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
+            out = m(x)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]) if out.dim() == 3 else out,
+                                   y.reshape(-1) if out.dim() == 3 else y)
+        if scaler is not None:
+            scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+        else:
+            loss.backward(); opt.step()
+    torch.cuda.synchronize()
+
+def fits(name, batch, steps=2):
+    try:
+        train(name, batch, steps)
+        ok = True
+    except torch.OutOfMemoryError:
+        ok = False
+    opts[name].zero_grad(set_to_none=True)
+    gc.collect(); torch.cuda.empty_cache()
+    return ok
+
+def true_max(name, start):
+    # Exact bisection of the notebook's own loop, from a bracket verified here.
+    probes, t0 = 0, time.time()
+    lo, hi = max(1, int(start)), None
+    probes += 1
+    while not fits(name, lo):
+        hi, lo = lo, max(1, lo // 2); probes += 1
+        if hi == 1: return {"true_max": 0, "probes": probes, "seconds": time.time() - t0}
+    if hi is None:
+        step = max(1, int(lo * 0.05))
+        while True:
+            probes += 1
+            if fits(name, lo + step): lo, step = lo + step, step * 2
+            else: hi = lo + step; break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2; probes += 1
+        if fits(name, mid): lo = mid
+        else: hi = mid
+    return {"true_max": lo, "probes": probes, "seconds": time.time() - t0}
+
+def steps_ok(name, batch, n=30):
+    done = 0
+    try:
+        for _ in range(n):
+            train(name, batch, 1); done += 1
+    except torch.OutOfMemoryError:
+        pass
+    opts[name].zero_grad(set_to_none=True)
+    gc.collect(); torch.cuda.empty_cache()
+    return done
+
+def drop(name):
+    for d in (models, opts, data, amps, scalers):
+        d.pop(name, None)
+    globals().pop(name, None); globals().pop(name + "_opt", None)
+    gc.collect(); torch.cuda.empty_cache()
+
+def gpt_step(batch):   # --step: the user's own function
+    train("gptstep", batch, 1)
+"""
+
+# row: (name, setup code, magic arguments, libtorch too?, lightning?)
+ROWS = {
+    "resnet18_fp32": ("make('resnet18_fp32', ResNet18, images(224, 1000))",
+                      "resnet18_fp32 --input 3x224x224", False),
+    "vit_b16_fp32": ("make('vit_b16_fp32', ViT, images(224, 1000))",
+                     "vit_b16_fp32 --input 3x224x224", True),
+    "vit_b16_bf16": ("make('vit_b16_bf16', ViT, images(224, 1000), torch.bfloat16)",
+                     "vit_b16_bf16 --input 3x224x224 --amp bf16", True),
+    "gpt_fp32": ("make('gpt_fp32', GPT, tokens(32000, 512))", "gpt_fp32 --input 512", True),
+    "gpt_fp16_scaler": ("make('gpt_fp16_scaler', GPT, tokens(32000, 512), torch.float16)",
+                        "gpt_fp16_scaler --input 512 --amp fp16", False),
+    "lstm_fp32": ("make('lstm_fp32', LSTMLM, tokens(32000, 128))", "lstm_fp32 --input 128", False),
+    "unet_fp32": ("make('unet_fp32', UNet, masks(128, 21))", "unet_fp32 --input 3x128x128", False),
+    "gpt_checkpointed": ("make('gpt_checkpointed', lambda: GPT(checkpoint=True), tokens(32000, 512))",
+                         "gpt_checkpointed --input 512", False),
+    "gpt_step": ("make('gptstep', GPT, tokens(32000, 512))", "--step gpt_step", False),
+}
+
+
+def main() -> int:
+    import torch  # only for its lib dir
+
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    os.environ["LD_LIBRARY_PATH"] = torch_lib + ":" + os.environ.get("LD_LIBRARY_PATH", "")
+    os.environ["GPUKERNEL_TORCH_PLUGIN"] = str(ROOT / ".device" / "libgpuprobe_torch.so")
+    prefix = Path(tempfile.mkdtemp(prefix="gpukernel-specs-"))
+    subprocess.run([str(BIN), "install", "--prefix", str(prefix), "--python", sys.executable],
+                   check=True)
+    os.environ["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
+    sys.path.insert(0, str(ROOT / "tests" / "python"))
+    from kernel_client import collect, execute, running_kernel
+
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                          "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    wanted = sys.argv[1:] or list(ROWS)
+    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": smi, "cap_gib": CAP_GIB,
+               "torch": torch.__version__, "command": "python3 bench/gpu/maxbatch_truth.py "
+               + " ".join(sys.argv[1:]), "rows": []}
+    out_file = OUT / "maxbatch_truth.json"
+
+    def save():
+        out_file.write_text(json.dumps(results, indent=1))
+
+    def run(kc, code, timeout=900):
+        reply, outputs = execute(kc, code, timeout=timeout)
+        if reply["content"]["status"] != "ok":
+            return None, reply["content"]
+        return outputs, None
+
+    def value(kc, expr):
+        outputs, err = run(kc, f"print(__import__('json').dumps({expr}))")
+        if err:
+            raise RuntimeError(err)
+        return json.loads("".join(o["content"]["text"] for o in outputs
+                                  if o["msg_type"] == "stream"))
+
+    def magic(kc, args):
+        t0 = time.time()
+        outputs, err = run(kc, f"%maxbatch {args} --json")
+        if err:
+            return {"error": f"{err.get('ename')}: {err.get('evalue')}", "seconds": time.time() - t0}
+        data = [o for o in outputs if o["msg_type"] == "execute_result"][-1]["content"]["data"]
+        v = data["application/json"]
+        return {"max_batch": v["max_batch"], "recommended": v["recommended"],
+                "trials": len(v["trials"]), "seconds": v["elapsed_ms"] / 1000,
+                "wall_seconds": time.time() - t0, "loss": v["assumptions"]["loss"],
+                "precision": v["assumptions"]["precision"],
+                "optimizer": v["assumptions"]["optimizer"], "limit": v["limit_bytes"],
+                "held": v.get("held"), "trial_list": [[t["batch"], t["outcome"]["result"],
+                                                        t["outcome"].get("peak")]
+                                                       for t in v["trials"]]}
+
+    with running_kernel("gpu-python") as (km, kc):
+        outputs, err = run(kc, NOTEBOOK.replace("CAP", repr(CAP_GIB)), timeout=300)
+        assert err is None, err
+        for name in wanted:
+            setup, args, libtorch = ROWS[name]
+            print(f"== {name}", file=sys.stderr, flush=True)
+            _, err = run(kc, setup)
+            assert err is None, err
+            key = "gptstep" if name == "gpt_step" else name
+            row = {"model": name, "engine": "python", "args": args}
+            ours = magic(kc, args)
+            row.update(ours)
+            print(f"   ours {ours}", file=sys.stderr, flush=True)
+            base = magic(kc, args + " --search double-bisect")
+            row["baseline_trials"], row["baseline_seconds"] = base.get("trials"), base.get("seconds")
+            row["baseline_max"] = base.get("max_batch")
+            truth = value(kc, f"true_max({key!r}, {ours.get('max_batch') or 8})")
+            row["true_max"], row["true_max_probes"] = truth["true_max"], truth["probes"]
+            if ours.get("recommended"):
+                row["steps_ok_at_recommended"] = value(kc, f"steps_ok({key!r}, {ours['recommended']})")
+            if ours.get("max_batch") and truth["true_max"]:
+                row["ratio"] = ours["max_batch"] / truth["true_max"]
+                row["time_vs_baseline"] = ours["seconds"] / max(1e-9, base.get("seconds") or 1e-9)
+            print(f"   row {json.dumps({k: v for k, v in row.items() if k != 'trial_list'})}",
+                  file=sys.stderr, flush=True)
+            results["rows"].append(row)
+            save()
+            if libtorch:
+                lt = magic(kc, args + f" --engine libtorch --limit {CAP_GIB}GiB --trial-timeout 120")
+                lt_row = {"model": name, "engine": "libtorch", "args": args, **lt,
+                          "true_max": truth["true_max"]}
+                if lt.get("max_batch") and truth["true_max"]:
+                    lt_row["ratio"] = lt["max_batch"] / truth["true_max"]
+                print(f"   libtorch {lt}", file=sys.stderr, flush=True)
+                results["rows"].append(lt_row)
+                save()
+            run(kc, f"drop({key!r})")
+        if os.environ.get("INTERRUPT_CHECK"):
+            run(kc, "make('vit_i', ViT, images(224, 1000))")
+            msg = kc.execute("%maxbatch vit_i --input 3x224x224")
+            time.sleep(6)
+            t0 = time.time()
+            km.interrupt_kernel()
+            reply, _ = collect(kc, msg, timeout=60)
+            results["interrupt"] = {"reply_seconds": time.time() - t0,
+                                    "ename": reply["content"].get("ename")}
+            results["interrupt"]["next_cell_ok"] = run(kc, "print(1)")[1] is None
+            save()
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
