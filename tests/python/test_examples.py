@@ -46,5 +46,4 @@ def test_gpu_python_notebook_runs():
     assert "Python kernel" in emptied[0]["data"]["text/plain"]
     sized_text = "".join(o.get("text", "") for o in sized if o.get("name") == "stdout")
     assert "Checked the step instead: one step of batch 2 ran" in sized_text, sized_text
-    assert "one training step of batch 1 ran on the CPU" in sized_text  # CI has no GPU
     assert [c.execution_count for c in code] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
