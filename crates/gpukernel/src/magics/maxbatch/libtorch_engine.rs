@@ -273,12 +273,7 @@ fn findings(
     let input = request
         .input
         .as_ref()
-        .map(|s| {
-            s.iter()
-                .map(|d| d.to_string())
-                .collect::<Vec<_>>()
-                .join("x")
-        })
+        .map(|s| super::shape_text(s))
         .unwrap_or_else(|| "the model's default".into());
     let tokens = args
         .vocab

@@ -189,6 +189,14 @@ pub(super) struct Args {
 #[derive(Clone, Debug, PartialEq)]
 pub(super) struct Shape(pub(super) Vec<i64>);
 
+/// A shape as the user writes it: `3x224x224`.
+pub(super) fn shape_text(dims: &[i64]) -> String {
+    dims.iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join("x")
+}
+
 fn parse_shape(text: &str) -> Result<Shape, String> {
     let dims: Result<Vec<i64>, _> = text
         .split(['x', ',', ' '])

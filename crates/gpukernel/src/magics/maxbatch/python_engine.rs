@@ -601,12 +601,7 @@ fn assumptions(
         let shape = spec
             .input
             .as_ref()
-            .map(|s| {
-                s.iter()
-                    .map(|d| d.to_string())
-                    .collect::<Vec<_>>()
-                    .join("x")
-            })
+            .map(|s| super::shape_text(s))
             .unwrap_or_default();
         let tokens = match (&d.vocab, &d.vocab_from) {
             (Some(v), Some(from)) => format!(", token ids < {v} (from the model's {from})"),
