@@ -34,8 +34,11 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("GPUKERNEL_BIN", ROOT / ".device" / "gpukernel"))
 OUT = Path(os.environ.get("OUT", "."))
 CAP_GIB = float(os.environ.get("CAP_GIB", "24"))
+# SURVEY=1: no baseline; the truth's bisection also records the memory curve (the data the
+# search's deterministic tests are built from).
+SURVEY = os.environ.get("SURVEY") == "1"
 
-NOTEBOOK = r"""
+MODELS = r"""
 import gc, math, time
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
@@ -135,6 +138,9 @@ class LSTMLM(nn.Module):
     def forward(s, x):
         return s.head(s.lstm(s.emb(x))[0])
 
+"""
+
+LOOP = r"""
 # name -> (factory, data maker, amp dtype)
 def tokens(vocab, seq):
     return lambda b: (torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, vocab, (b, seq), device=dev))
@@ -171,19 +177,28 @@ def train(name, batch, steps):
             loss.backward(); opt.step()
     torch.cuda.synchronize()
 
+curve = []  # (batch, fits, peak allocated, peak reserved) of every fits() call
+
 def fits(name, batch, steps=2):
+    gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
     try:
         train(name, batch, steps)
         ok = True
     except torch.OutOfMemoryError:
         ok = False
+    curve.append((batch, ok, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
     opts[name].zero_grad(set_to_none=True)
     gc.collect(); torch.cuda.empty_cache()
     return ok
 
-def true_max(name, start):
-    # Exact bisection of the notebook's own loop, from a bracket verified here.
+def true_max(name, start, survey=False):
+    # Exact bisection of the notebook's own loop, from a bracket verified here. With `survey`,
+    # also the memory curve below it (small batches and fractions of the maximum).
+    curve.clear()
     probes, t0 = 0, time.time()
+    if survey:
+        for b in (4, 16, 64):
+            fits(name, b)
     lo, hi = max(1, int(start)), None
     probes += 1
     while not fits(name, lo):
@@ -199,7 +214,18 @@ def true_max(name, start):
         mid = (lo + hi) // 2; probes += 1
         if fits(name, mid): lo = mid
         else: hi = mid
-    return {"true_max": lo, "probes": probes, "seconds": time.time() - t0}
+    if survey:
+        for f in (0.5, 0.8, 0.9, 0.95, 0.98):
+            if int(f * lo) > 64:
+                fits(name, int(f * lo))
+    return {"true_max": lo, "probes": probes, "seconds": time.time() - t0,
+            "curve": sorted(set(curve))}
+
+def fresh_optimizer_steps_ok(name, batch, n=5):
+    # The first steps of a loop whose optimizer has no state yet, at `batch`.
+    opts[name].state.clear()
+    gc.collect(); torch.cuda.empty_cache()
+    return steps_ok(name, batch, n)
 
 def steps_ok(name, batch, n=30):
     done = 0
@@ -291,11 +317,12 @@ def main() -> int:
                 "precision": v["assumptions"]["precision"],
                 "optimizer": v["assumptions"]["optimizer"], "limit": v["limit_bytes"],
                 "held": v.get("held"), "trial_list": [[t["batch"], t["outcome"]["result"],
-                                                        t["outcome"].get("peak")]
+                                                        t["outcome"].get("peak"),
+                                                        t["outcome"].get("reserved")]
                                                        for t in v["trials"]]}
 
     with running_kernel("gpu-python") as (km, kc):
-        outputs, err = run(kc, NOTEBOOK.replace("CAP", repr(CAP_GIB)), timeout=300)
+        outputs, err = run(kc, MODELS.replace("CAP", repr(CAP_GIB)) + LOOP, timeout=300)
         assert err is None, err
         for name in wanted:
             setup, args, libtorch = ROWS[name]
@@ -307,21 +334,28 @@ def main() -> int:
             ours = magic(kc, args)
             row.update(ours)
             print(f"   ours {ours}", file=sys.stderr, flush=True)
-            base = magic(kc, args + " --search double-bisect")
-            row["baseline_trials"], row["baseline_seconds"] = base.get("trials"), base.get("seconds")
-            row["baseline_max"] = base.get("max_batch")
-            truth = value(kc, f"true_max({key!r}, {ours.get('max_batch') or 8})")
+            if not SURVEY:
+                base = magic(kc, args + " --search double-bisect")
+                row["baseline_trials"] = base.get("trials")
+                row["baseline_seconds"] = base.get("seconds")
+                row["baseline_max"] = base.get("max_batch")
+            truth = value(kc, f"true_max({key!r}, {ours.get('max_batch') or 8}, {SURVEY})")
             row["true_max"], row["true_max_probes"] = truth["true_max"], truth["probes"]
+            if SURVEY:
+                row["curve"] = truth["curve"]
             if ours.get("recommended"):
                 row["steps_ok_at_recommended"] = value(kc, f"steps_ok({key!r}, {ours['recommended']})")
+                row["fresh_optimizer_steps_ok"] = value(
+                    kc, f"fresh_optimizer_steps_ok({key!r}, {ours['recommended']})")
             if ours.get("max_batch") and truth["true_max"]:
                 row["ratio"] = ours["max_batch"] / truth["true_max"]
-                row["time_vs_baseline"] = ours["seconds"] / max(1e-9, base.get("seconds") or 1e-9)
+                if not SURVEY:
+                    row["time_vs_baseline"] = ours["seconds"] / max(1e-9, base.get("seconds") or 1e-9)
             print(f"   row {json.dumps({k: v for k, v in row.items() if k != 'trial_list'})}",
                   file=sys.stderr, flush=True)
             results["rows"].append(row)
             save()
-            if libtorch:
+            if libtorch and not SURVEY:
                 lt = magic(kc, args + f" --engine libtorch --limit {CAP_GIB}GiB --trial-timeout 120")
                 lt_row = {"model": name, "engine": "libtorch", "args": args, **lt,
                           "true_max": truth["true_max"]}

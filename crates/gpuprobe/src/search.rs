@@ -12,6 +12,16 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The cache's need beyond the allocated peak when no trial shows it: block rounding and
+/// splitting, 1-3% in the users' steps measured on an H200 (bench/results/maxbatch-truth-*).
+const DEFAULT_OVERHEAD: f64 = 0.02;
+/// Most overhead believed from a trial's cache (more is cache the allocator would free).
+const MAX_OVERHEAD: f64 = 0.10;
+/// A reserved peak this close to the limit is the allocator reclaiming, not the step's need.
+const SATURATED: f64 = 0.97;
+/// First back-off below a failure, as a fraction of it.
+const BACK_OFF: f64 = 0.03;
+
 /// What one trial step did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "result", rename_all = "snake_case")]
@@ -53,6 +63,9 @@ pub struct SearchConfig {
     /// Near the limit every trial is the most expensive one, and an answer that gets a margin
     /// taken off anyway gains nothing from the last percent.
     pub tolerance: f64,
+    /// Bytes the process holds before any trial (the weights, say); 0 if unknown. With it
+    /// the second opening is kept below the limit for models whose samples are large.
+    pub held: u64,
 }
 
 impl Default for SearchConfig {
@@ -63,7 +76,24 @@ impl Default for SearchConfig {
             max_trials: 12,
             opening: (4, 64),
             tolerance: 0.0,
+            held: 0,
         }
+    }
+}
+
+impl SearchConfig {
+    /// The second opening once the first (`first` samples) peaked at `peak`: the configured
+    /// one, lowered to half the batch that the first trial's bytes per sample (everything
+    /// above `held`, so an over-estimate) would allow, but not below 4 times the first, so the
+    /// line keeps its lever.
+    fn second_opening(&self, first: u64, peak: u64) -> u64 {
+        let wanted = self.opening.1;
+        if self.held == 0 || peak <= self.held || first == 0 {
+            return wanted;
+        }
+        let per_sample = (peak - self.held) as f64 / first as f64;
+        let room = self.limit.saturating_sub(self.held) as f64 / per_sample;
+        ((0.5 * room) as u64).clamp(4 * first, wanted.max(4 * first))
     }
 }
 
@@ -99,13 +129,18 @@ pub fn search(
     mut probe: impl FnMut(u64) -> Result<Outcome, Stop>,
 ) -> SearchResult {
     let mut state = State::new(config);
-    let (a, b) = config.opening;
-    let openings = [a.clamp(1, config.max_batch), b.clamp(1, config.max_batch)];
-    for batch in openings {
-        if state.done() || state.trials.iter().any(|t| t.batch == batch) {
-            continue;
-        }
-        if let Err(stop) = state.run(batch, &mut probe) {
+    let first = config.opening.0.clamp(1, config.max_batch);
+    if let Err(stop) = state.run(first, &mut probe) {
+        return state.finish(Some(stop));
+    }
+    // After a failing first opening the search goes down from it, not up to the second.
+    let second = match state.trials[0].outcome {
+        Outcome::Ran { peak, .. } => Some(config.second_opening(first, peak)),
+        Outcome::OutOfMemory => None,
+    }
+    .map(|b| b.clamp(1, config.max_batch));
+    if let Some(second) = second.filter(|&b| b != first && !state.done()) {
+        if let Err(stop) = state.run(second, &mut probe) {
             return state.finish(Some(stop));
         }
     }
@@ -234,30 +269,39 @@ impl<'a> State<'a> {
         points
     }
 
-    /// The batch where the memory curve through the measured points reaches the limit.
-    fn predict(&self) -> Option<u64> {
-        self.predict_at(self.config.limit)
-    }
-
-    /// The prediction if the cache needs, beyond the allocated bytes, what it held beyond them
-    /// in the largest trial that fitted: the limit shrunk by that ratio. Where the cache's
-    /// extra is fragmentation that grows with the batch, the plain fit overshoots by it; where
-    /// it is spare cache the allocator frees under pressure, this undershoots. Used once the
-    /// plain fit has overshot.
-    fn predict_cache_aware(&self) -> Option<u64> {
-        let (peak, reserved) = self
+    /// What the cache needs beyond the allocated peak near the limit, as a fraction of it: the
+    /// largest fitting trial's reserved over allocated peak, where that trial's cache did not
+    /// come near the limit (there the allocator frees cached blocks and retries, so its
+    /// reserved peak says nothing); else [`DEFAULT_OVERHEAD`].
+    fn overhead(&self) -> f64 {
+        let largest = self
             .trials
             .iter()
             .filter(|t| t.fits)
             .max_by_key(|t| t.batch)
             .and_then(|t| match t.outcome {
-                Outcome::Ran { peak, reserved } if peak > 0 && reserved > peak => {
-                    Some((peak, reserved))
+                Outcome::Ran { peak, reserved } => Some((peak, reserved)),
+                Outcome::OutOfMemory => None,
+            });
+        match largest {
+            Some((peak, reserved)) if peak > 0 && reserved >= peak => {
+                let shown = (reserved as f64 / peak as f64 - 1.0).clamp(0.0, MAX_OVERHEAD);
+                if (reserved as f64) < SATURATED * self.config.limit as f64 {
+                    shown
+                } else {
+                    // The allocator reclaimed: the need lay between the peak and the limit.
+                    shown.min(DEFAULT_OVERHEAD)
                 }
-                _ => None,
-            })?;
-        let ratio = reserved as f64 / peak as f64;
-        self.predict_at((self.config.limit as f64 / ratio) as u64)
+            }
+            _ => DEFAULT_OVERHEAD,
+        }
+    }
+
+    /// The batch where the allocated peak reaches the limit less the cache's overhead: the
+    /// search's best guess of the largest batch that fits.
+    fn predict(&self) -> Option<u64> {
+        let overhead = self.overhead();
+        self.predict_at((self.config.limit as f64 / (1.0 + overhead)) as u64)
     }
 
     fn predict_at(&self, limit_bytes: u64) -> Option<u64> {
@@ -322,79 +366,48 @@ impl<'a> State<'a> {
 
     fn next_batch(&self, widths: &[u64]) -> u64 {
         let max = self.config.max_batch;
-        let prediction = self.predict();
         match (self.lo, self.hi) {
-            (Some(lo), Some(hi)) => {
-                let mid = lo + (hi - lo) / 2;
-                // Bisect when the last two steps did not halve the bracket.
-                let stalled =
-                    widths.len() >= 3 && widths[widths.len() - 1] * 2 > widths[widths.len() - 3];
-                let candidate = match prediction {
-                    _ if stalled => mid,
-                    Some(p) if lo < p && p < hi => {
-                        // The aim, unless one of the two settling trials is as close.
-                        let below = self.closing_below(hi);
-                        let above = self.closing_above(lo);
-                        let aim = self.aim(p);
-                        if aim >= below {
-                            below
-                        } else if aim <= above {
-                            above
-                        } else {
-                            aim
-                        }
-                    }
-                    // The model says `lo` is the maximum: the trial that settles it.
-                    Some(p) if p <= lo => self.closing_above(lo),
-                    // No line yet (one trial ran, one did not): halve the bracket in ratio,
-                    // not in samples, so a far failure costs one trial, not a walk back.
-                    None if hi > 4 * lo => ((lo as f64 * hi as f64).sqrt() as u64).max(lo + 1),
-                    // The model overshoots (the cache needs more than the fit sees): back off
-                    // from the failure by the least that could settle the answer, then by four
-                    // times that, then bisect: a fit a little off costs one or two trials, one
-                    // far off (a non-linear model) no more than bisection would.
-                    _ => {
-                        // Exact mode's least step is a fraction of the bracket, so a wide one
-                        // is not walked a sample at a time.
-                        let floor = if self.config.tolerance > 0.0 {
-                            1
-                        } else {
-                            (hi - lo) / 32
-                        };
-                        let least = (hi - self.closing_below(hi)).max(floor).max(1);
-                        let cache_aware = self.predict_cache_aware();
-                        match self.failures_in_a_row() {
-                            // After a fit: the cache-aware guess if it lies inside the
-                            // bracket, else the trial that settles the answer nearest it.
-                            0 => match cache_aware {
-                                Some(p) if self.aim(p) <= lo => self.closing_above(lo),
-                                Some(p) if self.aim(p) > lo && self.aim(p) < hi - least => {
-                                    self.aim(p)
-                                }
-                                _ => hi - least,
-                            },
-                            1 => hi - least,
-                            2 => cache_aware
-                                .map(|p| self.aim(p))
-                                .filter(|&c| lo < c && c < hi)
-                                .unwrap_or_else(|| hi.saturating_sub(4 * least)),
-                            _ => mid,
-                        }
-                    }
-                };
-                candidate.clamp(lo + 1, hi - 1)
-            }
-            (Some(lo), None) => match prediction {
-                Some(p) if p > lo => self.aim(p).max(self.closing_above(lo)).min(max),
-                // Predicted exactly `lo`: the trial that settles it.
+            (Some(lo), Some(hi)) => self.inside(lo, hi, widths).clamp(lo + 1, hi - 1),
+            (Some(lo), None) => match self.predict() {
+                Some(p) if self.aim(p) > lo => self.aim(p).min(max),
+                // Predicted `lo` itself: the trial that settles it.
                 Some(_) => self.closing_above(lo).min(max),
                 None => (lo * 2).min(max),
             },
-            (None, Some(hi)) => match prediction {
+            (None, Some(hi)) => match self.predict() {
                 Some(p) if p < hi => p.max(1),
                 _ => (hi / 2).max(1),
             },
             (None, None) => 1,
+        }
+    }
+
+    /// The next trial inside the bracket `(lo, hi)`.
+    fn inside(&self, lo: u64, hi: u64, widths: &[u64]) -> u64 {
+        let geometric = ((lo as f64 * hi as f64).sqrt() as u64).max(lo + 1);
+        // The last two trials did not halve the bracket.
+        let stalled = widths.len() >= 3 && widths[widths.len() - 1] * 2 > widths[widths.len() - 3];
+        let below = self.closing_below(hi);
+        let above = self.closing_above(lo);
+        let settling = |c: u64| c.clamp(above, below.max(above));
+        match self.failures_in_a_row() {
+            // The last trial fitted: the prediction from it (a new point nearest the limit,
+            // so the model has learnt something), or the settling trial nearest it.
+            0 => match self.predict() {
+                Some(p) => settling(self.aim(p)),
+                None => geometric,
+            },
+            // The prediction overshot. Back off from the failure by BACK_OFF, then three and
+            // nine times that: a small miss costs one trial, a far one (a non-linear model)
+            // no more than bisection in ratio would, which is the floor.
+            // Failing without halving the bracket, or no line yet (one trial ran, one did
+            // not): bisect in ratio, so a far failure costs one trial, not a walk back.
+            _ if stalled || self.predict().is_none() => geometric,
+            n => {
+                let back = BACK_OFF.max(2.0 * self.config.tolerance) * 3f64.powi(n as i32 - 1);
+                let stepped = ((hi as f64) * (1.0 - back)).floor() as u64;
+                settling(stepped.max(geometric))
+            }
         }
     }
 

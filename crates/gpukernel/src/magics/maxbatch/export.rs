@@ -15,6 +15,9 @@ pub(super) struct ExportedModule {
     pub method: String,
     pub training: bool,
     pub parameters: u64,
+    /// The token ids' range: `--vocab`, else the first layer's Embedding.
+    #[serde(default)]
+    pub vocab: Option<i64>,
 }
 
 const EXPORT_MODULE_SOURCE: &str = include_str!("export_module.py");

@@ -23,6 +23,8 @@ def export(user_ns, name, shape, vocab, train=True):
         obj = getattr(obj, part)
     if torch is None or not isinstance(obj, torch.nn.Module):
         raise TypeError(f"{name} is a {type(obj).__name__}, not a torch.nn.Module")
+    if vocab is None:
+        vocab = _vocab(torch, obj)
     fd, path = tempfile.mkstemp(prefix="gpukernel-maxbatch-", suffix=".pt")
     os.close(fd)
     try:
@@ -40,8 +42,16 @@ def export(user_ns, name, shape, vocab, train=True):
     except BaseException:
         os.unlink(path)
         raise
-    return {"path": path, "method": method, "training": obj.training,
+    return {"path": path, "method": method, "training": obj.training, "vocab": vocab,
             "parameters": sum(p.numel() for p in obj.parameters())}
+
+
+def _vocab(torch, module):
+    """Token ids' range when the first layer holding weights is an Embedding (a leaf: a model
+    may keep a positional embedding as its own parameter), as the python engine infers it."""
+    first = next((m for m in module.modules() if next(m.children(), None) is None
+                  and next(m.parameters(False), None) is not None), None)
+    return first.num_embeddings if isinstance(first, torch.nn.Embedding) else None
 
 
 def _trace(torch, module, shape, vocab, train):

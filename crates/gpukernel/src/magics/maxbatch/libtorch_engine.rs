@@ -176,7 +176,11 @@ fn call_live(request: &Request, live: &Live, ctx: &MagicContext) -> Result<Value
 
 pub(super) fn run(args: &Args, target: &Target, ctx: &MagicContext) -> Result<(), MagicError> {
     let (model, exported) = model_source(args, target, ctx)?;
-    let result = search(args, request(args, model), exported.as_ref(), ctx);
+    let mut request = request(args, model);
+    request.vocab = request
+        .vocab
+        .or(exported.as_ref().and_then(|e| e.module.vocab));
+    let result = search(args, request, exported.as_ref(), ctx);
     drop(exported); // the private TorchScript file goes now, whatever happened
     result
 }
@@ -275,10 +279,11 @@ fn findings(
         .as_ref()
         .map(|s| super::shape_text(s))
         .unwrap_or_else(|| "the model's default".into());
-    let tokens = args
-        .vocab
-        .map(|v| format!(", token ids < {v}"))
-        .unwrap_or_default();
+    let tokens = match (request.vocab, args.vocab) {
+        (Some(v), Some(_)) => format!(", token ids < {v}"),
+        (Some(v), None) => format!(", token ids < {v} (from the model's Embedding)"),
+        (None, _) => String::new(),
+    };
     let source = match exported {
         Some(m) => format!(
             "the notebook's {name} as TorchScript (torch.jit.{})",

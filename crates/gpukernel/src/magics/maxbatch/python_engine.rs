@@ -67,6 +67,9 @@ struct Described {
     input_dtype: Option<String>,
     #[serde(default)]
     grad_scaler: bool,
+    /// Optimizers that had not stepped yet: the first trial creates their state.
+    #[serde(default)]
+    optimizers_without_state: Vec<String>,
     torch: String,
 }
 
@@ -275,6 +278,7 @@ pub(super) fn run(
         max_batch: args.max.max(1),
         max_trials: super::MAX_TRIALS,
         tolerance: if args.exact { 0.0 } else { super::TOLERANCE },
+        held: memory.allocated.unwrap_or(0),
         ..SearchConfig::default()
     };
     let live = Live::start(
@@ -648,6 +652,12 @@ fn notes(prepared: &Prepared) -> Vec<String> {
     )];
     if let Some(p) = d.parameters {
         notes.push(format!("{p} parameters on {}", d.device));
+    }
+    if !d.optimizers_without_state.is_empty() {
+        notes.push(format!(
+            "{} had no state yet (no step has run): the first trial created it and the others              ran with it, as steps 2 onwards of your loop do; it is gone again. A first step at              a large batch creates it among its freed activations, which can fragment the              cache: start with one small step, or set              PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+            d.optimizers_without_state.join(", ")
+        ));
     }
     notes
 }
