@@ -4,6 +4,7 @@
 //! the child's replies come back with it and go straight out. Our own requests travel without
 //! one; their replies are delivered to the waiting caller by parent msg_id.
 
+use crate::magics::CancelToken;
 use crate::wire::{RawMessage, Session};
 use anyhow::{anyhow, Result};
 use bytes::Bytes;
@@ -19,6 +20,11 @@ pub const INTERNAL_PREFIX: &str = "gpukernel-internal-";
 
 /// How many finished mixed cells we keep suppressing stray status messages for.
 const RECENT: usize = 32;
+
+/// How long a part of a mixed cell may take to answer once interrupted (ipykernel answers a
+/// KeyboardInterrupt at once; one stuck in C code may not).
+const AFTER_INTERRUPT: std::time::Duration = std::time::Duration::from_secs(5);
+const POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
 #[derive(Default)]
 struct Suppression {
@@ -73,6 +79,27 @@ impl ChildLink {
     pub async fn forward_control(&self, message: ZmqMessage) {
         if let Err(e) = self.control.lock().await.send(message).await {
             tracing::warn!("could not forward to the child's control: {e}");
+        }
+    }
+
+    /// A reply that someone here waits for (by parent msg_id) goes to them; any other comes
+    /// back to be forwarded to the frontend. A part of a mixed cell travels with the
+    /// frontend's envelope (so the child's input_request reaches the frontend's stdin) but
+    /// its reply is ours.
+    pub fn take_if_awaited(&self, reply: RawMessage) -> Option<RawMessage> {
+        let parent: Value = serde_json::from_slice(&reply.parent_header).unwrap_or(Value::Null);
+        let waiter = msg_id_of(&parent).and_then(|id| {
+            self.pending
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .remove(id)
+        });
+        match waiter {
+            Some(tx) => {
+                let _ = tx.send(reply);
+                None
+            }
+            None => Some(reply),
         }
     }
 
@@ -176,20 +203,55 @@ impl ChildLink {
         .await
     }
 
-    /// Runs `content` in the child under the frontend's own header, so the child's outputs
-    /// are parented to the frontend's request without any rewriting.
-    pub async fn execute_as(&self, request: &RawMessage, content: &Value) -> Result<Value> {
+    /// Runs one part of a mixed cell in the child under the frontend's own header and
+    /// envelope, so the child's outputs are parented to the frontend's request and its
+    /// input_request reaches the frontend's stdin, without any rewriting.
+    ///
+    /// Every part's metadata carries a part id of its own: identical parts would otherwise
+    /// be identical signed messages, and the child drops a repeated signature as a replay.
+    /// The wait ends when `cancel` fires (an interrupt, which the child got as well) and the
+    /// child has not answered within [`AFTER_INTERRUPT`].
+    pub async fn execute_part(
+        &self,
+        request: &RawMessage,
+        content: &Value,
+        cancel: &CancelToken,
+    ) -> Result<Value> {
         let header = request.header_json()?;
         let id = msg_id_of(&header).unwrap_or_default().to_string();
+        let mut metadata: Value =
+            serde_json::from_slice(&request.metadata).unwrap_or_else(|_| json!({}));
+        if !metadata.is_object() {
+            metadata = json!({});
+        }
+        metadata["gpukernel_part"] = Value::String(uuid::Uuid::new_v4().to_string());
         let message = self.session.signed(
-            Vec::new(),
+            request.identities.clone(),
             request.header.clone(),
             request.parent_header.clone(),
-            request.metadata.clone(),
+            Bytes::from(metadata.to_string()),
             Bytes::from(content.to_string()),
         );
-        let reply = self.round_trip(id, message, false).await?;
-        Ok(reply.content_json()?)
+        let reply = self.round_trip(id.clone(), message, false);
+        tokio::pin!(reply);
+        let mut interrupted_at: Option<tokio::time::Instant> = None;
+        loop {
+            tokio::select! {
+                reply = &mut reply => return Ok(reply?.content_json()?),
+                _ = tokio::time::sleep(POLL) => {}
+            }
+            if !cancel.is_cancelled() {
+                continue;
+            }
+            let since = *interrupted_at.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= AFTER_INTERRUPT {
+                self.forget(&id);
+                return Err(anyhow!(
+                    "KeyboardInterrupt: the Python kernel did not answer within {} s of the                      interrupt",
+                    AFTER_INTERRUPT.as_secs()
+                ));
+            }
+        }
     }
 
     /// From now on, the child's status/execute_input for `msg_id` are not forwarded.

@@ -86,7 +86,7 @@ pub async fn execute(
                 part["user_expressions"] = json!({});
                 // We stop the cell ourselves; the child must not abort our follow-up requests.
                 part["stop_on_error"] = Value::Bool(false);
-                match link.execute_as(request, &part).await {
+                match link.execute_part(request, &part, &cancel).await {
                     Ok(reply) => {
                         python_parts += 1;
                         link.wait_idles(python_parts).await;
@@ -97,6 +97,7 @@ pub async fn execute(
                             failure = Some(error_of(&reply));
                         }
                     }
+                    Err(_) if cancel.is_cancelled() => failure = Some(MagicError::interrupted()),
                     Err(e) => failure = Some(MagicError::new("KernelError", e.to_string())),
                 }
             }

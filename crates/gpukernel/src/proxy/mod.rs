@@ -69,7 +69,11 @@ fn spawn_reply_router(
         while let Ok(frames) = from_child.recv().await {
             match RawMessage::from_zmq(frames) {
                 Ok(msg) if msg.identities.is_empty() => link.deliver(msg),
-                Ok(msg) => send(&mut to_frontend, msg.into_zmq()).await,
+                Ok(msg) => {
+                    if let Some(msg) = link.take_if_awaited(msg) {
+                        send(&mut to_frontend, msg.into_zmq()).await;
+                    }
+                }
                 Err(e) => tracing::warn!("malformed reply from the child: {e}"),
             }
         }

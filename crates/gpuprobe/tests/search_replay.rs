@@ -1,0 +1,123 @@
+//! The search replayed against memory curves measured in users' own training loops on an H200
+//! (`SURVEY=1 bench/gpu/maxbatch_truth.py`, committed under `bench/results/`). Each curve is
+//! the peak allocated and reserved bytes of the notebook's loop at a set of batch sizes, and
+//! its true maximum from an exact bisection of that loop. A replayed trial interpolates the
+//! curve; a batch above the true maximum runs out of memory. The targets hold here:
+//! every answer within 1% below the truth, at most 10 trials, 6 in the median.
+
+use gpuprobe::search::{search, Outcome, SearchConfig, Stop};
+use serde::Deserialize;
+use std::path::PathBuf;
+
+#[derive(Deserialize)]
+struct Survey {
+    cap_gib: f64,
+    rows: Vec<Row>,
+}
+
+#[derive(Deserialize)]
+struct Row {
+    model: String,
+    engine: String,
+    true_max: u64,
+    #[serde(default)]
+    held: Option<Held>,
+    /// (batch, fits, peak allocated, peak reserved)
+    #[serde(default)]
+    curve: Vec<(u64, bool, u64, u64)>,
+}
+
+#[derive(Deserialize)]
+struct Held {
+    allocated: u64,
+}
+
+fn surveys() -> Vec<(PathBuf, Survey)> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results");
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(&dir).expect("bench/results") {
+        let path = entry.expect("a directory entry").path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if name.starts_with("maxbatch-survey-") && name.ends_with(".json") {
+            let text = std::fs::read_to_string(&path).expect("a survey file");
+            found.push((path, serde_json::from_str(&text).expect("a survey")));
+        }
+    }
+    found
+}
+
+/// Linear interpolation (and extrapolation from the nearest two) of the fitting points.
+fn interpolate(points: &[(u64, u64, u64)], batch: u64) -> (u64, u64) {
+    let i = points.partition_point(|p| p.0 < batch);
+    if i < points.len() && points[i].0 == batch {
+        return (points[i].1, points[i].2);
+    }
+    let (a, b) = match i {
+        0 => (points[0], points[1]),
+        i if i >= points.len() => (points[points.len() - 2], points[points.len() - 1]),
+        i => (points[i - 1], points[i]),
+    };
+    let t = (batch as f64 - a.0 as f64) / (b.0 as f64 - a.0 as f64);
+    let at = |ya: u64, yb: u64| (ya as f64 + t * (yb as f64 - ya as f64)).max(0.0) as u64;
+    (at(a.1, b.1), at(a.2, b.2))
+}
+
+#[test]
+fn measured_curves_are_searched_to_within_one_percent() {
+    let surveys = surveys();
+    assert!(
+        !surveys.is_empty(),
+        "no maxbatch-survey-*.json in bench/results"
+    );
+    let mut counts = Vec::new();
+    for (path, survey) in &surveys {
+        let limit = (survey.cap_gib * (1u64 << 30) as f64) as u64;
+        for row in survey.rows.iter().filter(|r| r.engine == "python") {
+            let mut points: Vec<(u64, u64, u64)> = row
+                .curve
+                .iter()
+                .filter(|p| p.1)
+                .map(|p| (p.0, p.2, p.3))
+                .collect();
+            points.sort_unstable();
+            points.dedup_by_key(|p| p.0);
+            assert!(points.len() >= 3, "{}: too few points", row.model);
+            let truth = row.true_max;
+            let config = SearchConfig {
+                limit,
+                max_batch: 1 << 16,
+                tolerance: 0.01,
+                held: row.held.as_ref().map_or(0, |h| h.allocated),
+                ..SearchConfig::default()
+            };
+            let result = search(&config, |b| -> Result<Outcome, Stop> {
+                if b > truth {
+                    return Ok(Outcome::OutOfMemory);
+                }
+                let (peak, reserved) = interpolate(&points, b);
+                // A batch that fits in the loop fits here too, whatever the line says.
+                Ok(Outcome::Ran {
+                    peak: peak.min(limit),
+                    reserved: reserved.min(limit),
+                })
+            });
+            let found = result.max_fit.unwrap_or(0);
+            let tried: Vec<(u64, bool)> = result.trials.iter().map(|t| (t.batch, t.fits)).collect();
+            let what = format!(
+                "{} ({}): found {found}, true {truth}, trials {tried:?}",
+                row.model,
+                path.display()
+            );
+            assert!(
+                found <= truth && found as f64 >= 0.99 * truth as f64,
+                "{what}"
+            );
+            assert!(result.trials.len() <= 10, "{what}");
+            eprintln!("{what}");
+            counts.push(result.trials.len());
+        }
+    }
+    counts.sort_unstable();
+    let median = counts[counts.len() / 2];
+    assert!(median <= 6, "median {median} trials: {counts:?}");
+}
