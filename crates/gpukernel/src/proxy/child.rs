@@ -8,7 +8,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use zeromq::util::PeerIdentity;
-use zeromq::{DealerSocket, Socket, SocketOptions, SubSocket};
+use zeromq::{DealerSocket, Socket, SubSocket};
 
 /// How long the child may take to bind its sockets (ipykernel takes about a second; a cold
 /// conda env on NFS can take much longer).
@@ -181,17 +181,25 @@ async fn start_once(
 
     let identity = Bytes::from(format!("gpukernel-{}", uuid::Uuid::new_v4()));
     let dealer = |identity: &Bytes| -> Result<DealerSocket> {
-        let mut options = SocketOptions::default();
+        let mut options = crate::server::socket_options();
         options.peer_identity(PeerIdentity::try_from(identity.clone())?);
         Ok(DealerSocket::with_options(options))
     };
     let connecting = async {
-        let mut iopub = connect(SubSocket::new(), ports[1]).await?;
+        let mut iopub = connect(
+            SubSocket::with_options(crate::server::socket_options()),
+            ports[1],
+        )
+        .await?;
         iopub.subscribe("").await?;
         Ok::<_, anyhow::Error>(ChildSockets {
             shell: connect(dealer(&identity)?, ports[0]).await?,
             stdin: connect(dealer(&identity)?, ports[2]).await?,
-            control: connect(DealerSocket::new(), ports[3]).await?,
+            control: connect(
+                DealerSocket::with_options(crate::server::socket_options()),
+                ports[3],
+            )
+            .await?,
             iopub,
         })
     };

@@ -9,7 +9,34 @@ pub use iopub::{spawn_iopub, Iopub};
 
 use jupyter_protocol::ConnectionInfo;
 use thiserror::Error;
-use zeromq::{RepSocket, RouterSocket, Socket, XPubSocket};
+use zeromq::{RepSocket, RouterSocket, Socket, SocketOptions, XPubSocket};
+
+/// The largest message a peer may send on any socket unless `GPUKERNEL_MAX_MESSAGE_BYTES`
+/// says otherwise: generous for notebooks (widgets and uploads send tens of MB), and what
+/// keeps a peer without the key from making the kernel reserve what a frame announces.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// The message size limit in force: `GPUKERNEL_MAX_MESSAGE_BYTES` (bytes) or the default.
+pub fn max_message_bytes() -> usize {
+    match std::env::var("GPUKERNEL_MAX_MESSAGE_BYTES") {
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            tracing::warn!(
+                "GPUKERNEL_MAX_MESSAGE_BYTES={v:?} is not a number of bytes; using {}",
+                DEFAULT_MAX_MESSAGE_BYTES
+            );
+            DEFAULT_MAX_MESSAGE_BYTES
+        }),
+        Err(_) => DEFAULT_MAX_MESSAGE_BYTES,
+    }
+}
+
+/// Options for every socket gpukernel opens, ours and those to the child: a peer whose
+/// message passes the limit is disconnected (the socket serves its other peers on).
+pub fn socket_options() -> SocketOptions {
+    let mut options = SocketOptions::default();
+    options.max_message_size(Some(max_message_bytes()));
+    options
+}
 
 #[derive(Debug, Error)]
 pub enum ServerError {
@@ -56,7 +83,7 @@ pub struct Channels {
 }
 
 async fn bind<S: Socket>(channel: &'static str, endpoint: String) -> Result<S, ServerError> {
-    let mut socket = S::new();
+    let mut socket = S::with_options(socket_options());
     socket
         .bind(&endpoint)
         .await
