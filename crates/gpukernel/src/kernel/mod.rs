@@ -71,7 +71,7 @@ pub(crate) fn accept(
         }
     };
     if let Err(e) = session.verify(&msg) {
-        tracing::warn!("{channel}: dropped a message with a bad signature: {e}");
+        tracing::warn!("{channel}: dropped a message: {e}");
         return None;
     }
     match msg.msg_type() {
@@ -97,8 +97,17 @@ pub async fn run(info: ConnectionInfo) -> anyhow::Result<()> {
     let channels = Channels::bind(&info).await?;
     let iopub = spawn_iopub(channels.iopub, session.clone());
     spawn_heartbeat(channels.heartbeat);
-    // stdin stays bound so clients can connect; no magic asks for input.
-    let _stdin = channels.stdin;
+    // stdin stays bound so clients can connect; no magic asks for input. It is still read
+    // (and what arrives dropped), so a peer that breaks the wire rules there is disconnected.
+    let mut stdin = channels.stdin;
+    tokio::spawn(async move {
+        while let Ok(frames) = stdin.recv().await {
+            tracing::debug!(
+                "stdin: dropped a message ({} frames): no input was asked",
+                frames.len()
+            );
+        }
+    });
 
     let kernel = Arc::new(Kernel {
         session,

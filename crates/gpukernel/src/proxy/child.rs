@@ -4,27 +4,22 @@ use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use serde_json::json;
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use zeromq::util::PeerIdentity;
-use zeromq::{DealerSocket, Socket, SubSocket};
+use zeromq::{DealerSocket, Socket, SocketOptions, SubSocket};
 
 /// How long the child may take to bind its sockets (ipykernel takes about a second; a cold
 /// conda env on NFS can take much longer).
 const START_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// A running child kernel. Dropping it kills the process and removes its connection file.
+/// A running child kernel. Dropping it kills the process and removes its private directory
+/// (connection file and sockets).
 pub struct Child {
     pub process: tokio::process::Child,
     pub pid: u32,
-    connection_file: PathBuf,
-}
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.connection_file);
-    }
+    _dir: tempfile::TempDir,
 }
 
 /// Our side of the child's channels. Shell and stdin share one identity: ipykernel sends
@@ -36,27 +31,37 @@ pub struct ChildSockets {
     pub iopub: SubSocket,
 }
 
-fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("no free loopback port")?;
-    Ok(listener.local_addr()?.port())
+/// The child's channels in connection-file order (shell, iopub, stdin, control, hb): with the
+/// ipc transport a "port" is only the suffix of a socket path, `<ip>-<port>`.
+const PORTS: [u16; 5] = [1, 2, 3, 4, 5];
+
+/// The private directory the child lives in: mode 0700, so no other user of the machine can
+/// reach its sockets (ipc, not tcp: nothing listens on loopback) or read its key. Under the
+/// temp dir because a Unix socket path must stay short (108 bytes).
+fn private_dir() -> Result<tempfile::TempDir> {
+    let dir = tempfile::Builder::new()
+        .prefix("gpukernel-")
+        .tempdir()
+        .context("cannot create a private directory for the child kernel")?;
+    // tempfile makes it 0700 already; said here so it does not depend on that.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))?;
+    Ok(dir)
 }
 
-/// Writes the child's connection file (0600: it holds the key) next to ours.
-fn write_connection_file(dir: &Path, key: &str, scheme: &str) -> Result<(PathBuf, [u16; 5])> {
-    let ports = [
-        free_port()?,
-        free_port()?,
-        free_port()?,
-        free_port()?,
-        free_port()?,
-    ];
+/// Where the child's channel `port` listens.
+fn socket_path(dir: &Path, port: u16) -> PathBuf {
+    dir.join(format!("k-{port}"))
+}
+
+/// Writes the child's connection file (0600: it holds the key) in its private directory.
+fn write_connection_file(dir: &Path, key: &str, scheme: &str) -> Result<PathBuf> {
     let info = json!({
-        "ip": "127.0.0.1", "transport": "tcp",
-        "shell_port": ports[0], "iopub_port": ports[1], "stdin_port": ports[2],
-        "control_port": ports[3], "hb_port": ports[4],
+        "ip": dir.join("k").display().to_string(), "transport": "ipc",
+        "shell_port": PORTS[0], "iopub_port": PORTS[1], "stdin_port": PORTS[2],
+        "control_port": PORTS[3], "hb_port": PORTS[4],
         "key": key, "signature_scheme": scheme,
     });
-    let path = dir.join(format!("gpukernel-child-{}.json", uuid::Uuid::new_v4()));
+    let path = dir.join("connection.json");
     let mut file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -64,38 +69,29 @@ fn write_connection_file(dir: &Path, key: &str, scheme: &str) -> Result<(PathBuf
         .open(&path)
         .with_context(|| format!("cannot write {}", path.display()))?;
     file.write_all(info.to_string().as_bytes())?;
-    Ok((path, ports))
+    Ok(path)
 }
 
-/// Waits until the child listens on `port`. zeromq's own connect retries with exponential
+/// Waits until the child has bound `path`. zeromq's own connect retries with exponential
 /// backoff (50 ms, 100 ms, ...), which would add up to a few hundred ms to every kernel start.
-async fn wait_listening(port: u16) {
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
+async fn wait_listening(path: &Path) {
+    while tokio::net::UnixStream::connect(path).await.is_err() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
-async fn connect<S: Socket>(mut socket: S, port: u16) -> Result<S> {
-    wait_listening(port).await;
+async fn connect<S: Socket>(mut socket: S, path: PathBuf) -> Result<S> {
+    wait_listening(&path).await;
     socket
-        .connect(&format!("tcp://127.0.0.1:{port}"))
+        .connect(&format!("ipc://{}", path.display()))
         .await
-        .with_context(|| format!("cannot connect to the child kernel on port {port}"))?;
+        .with_context(|| format!("cannot connect to the child kernel at {}", path.display()))?;
     Ok(socket)
 }
 
-/// How many times a child that exits during start-up is started again on fresh ports. The
-/// ports are picked free but released before the child binds them, so another process can
-/// take one in between (ipykernel then exits with "Address already in use"); a child that is
-/// really broken fails every attempt and the last error is reported.
-const START_ATTEMPTS: usize = 3;
-
-/// Why one start attempt failed.
+/// Why the child could not be started.
 enum StartFailure {
-    /// The child exited before binding (status text): worth another attempt.
+    /// The child exited before binding (status text).
     Exited(String),
     Other(anyhow::Error),
 }
@@ -109,29 +105,19 @@ impl<E: Into<anyhow::Error>> From<E> for StartFailure {
 /// Starts the child from `argv` with the same key, and connects to it. In `argv`,
 /// `{child_connection_file}` (and our own connection file's path, which Jupyter substitutes
 /// for `{connection_file}`) become the child's connection file. Fails if the child exits
-/// during start-up [`START_ATTEMPTS`] times or does not bind within the start timeout.
+/// during start-up or does not bind within the start timeout.
 pub async fn start(
     argv: &[String],
     key: &str,
     scheme: &str,
     own_connection_file: &Path,
 ) -> Result<(Child, ChildSockets)> {
-    let mut attempt = 1;
-    loop {
-        match start_once(argv, key, scheme, own_connection_file).await {
-            Ok(started) => return Ok(started),
-            Err(StartFailure::Exited(status)) if attempt < START_ATTEMPTS => {
-                tracing::warn!(
-                    "the child kernel exited during start-up ({status}); starting it again \
-                     on fresh ports ({attempt} of {START_ATTEMPTS})"
-                );
-                attempt += 1;
-            }
-            Err(StartFailure::Exited(status)) => {
-                bail!("the child kernel exited during start-up ({status}); see its messages above")
-            }
-            Err(StartFailure::Other(e)) => return Err(e),
+    match start_once(argv, key, scheme, own_connection_file).await {
+        Ok(started) => Ok(started),
+        Err(StartFailure::Exited(status)) => {
+            bail!("the child kernel exited during start-up ({status}); see its messages above")
         }
+        Err(StartFailure::Other(e)) => Err(e),
     }
 }
 
@@ -141,15 +127,12 @@ async fn start_once(
     scheme: &str,
     own_connection_file: &Path,
 ) -> Result<(Child, ChildSockets), StartFailure> {
-    let dir = own_connection_file
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
     let own = own_connection_file.display().to_string();
     let Some(program) = argv.first() else {
         return Err(anyhow::anyhow!("no child kernel command given").into());
     };
-    let (connection_file, ports) = write_connection_file(dir, key, scheme)?;
+    let dir = private_dir()?;
+    let connection_file = write_connection_file(dir.path(), key, scheme)?;
     let file_arg = connection_file.display().to_string();
     let args: Vec<String> = argv[1..]
         .iter()
@@ -173,33 +156,29 @@ async fn start_once(
         .spawn()
         .with_context(|| format!("cannot start the child kernel {program:?}"))?;
     let pid = process.id().unwrap_or(0);
+    let dir_path = dir.path().to_path_buf();
+    let socket = |port| socket_path(&dir_path, port);
     let mut child = Child {
         process,
         pid,
-        connection_file,
+        _dir: dir,
     };
 
     let identity = Bytes::from(format!("gpukernel-{}", uuid::Uuid::new_v4()));
+    // No message size limit towards the child: only it can reach these sockets, and what it
+    // sends (a large plot, a widget's buffers) is the user's own output.
     let dealer = |identity: &Bytes| -> Result<DealerSocket> {
-        let mut options = crate::server::socket_options();
+        let mut options = SocketOptions::default();
         options.peer_identity(PeerIdentity::try_from(identity.clone())?);
         Ok(DealerSocket::with_options(options))
     };
     let connecting = async {
-        let mut iopub = connect(
-            SubSocket::with_options(crate::server::socket_options()),
-            ports[1],
-        )
-        .await?;
+        let mut iopub = connect(SubSocket::new(), socket(PORTS[1])).await?;
         iopub.subscribe("").await?;
         Ok::<_, anyhow::Error>(ChildSockets {
-            shell: connect(dealer(&identity)?, ports[0]).await?,
-            stdin: connect(dealer(&identity)?, ports[2]).await?,
-            control: connect(
-                DealerSocket::with_options(crate::server::socket_options()),
-                ports[3],
-            )
-            .await?,
+            shell: connect(dealer(&identity)?, socket(PORTS[0])).await?,
+            stdin: connect(dealer(&identity)?, socket(PORTS[2])).await?,
+            control: connect(DealerSocket::new(), socket(PORTS[3])).await?,
             iopub,
         })
     };

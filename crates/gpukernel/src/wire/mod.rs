@@ -5,6 +5,7 @@
 //! parsed.
 
 mod frames;
+mod replay;
 mod session;
 mod sign;
 
@@ -24,6 +25,8 @@ pub enum WireError {
     TooFewFrames(usize),
     #[error("bad signature")]
     BadSignature,
+    #[error("a replay: this signature was already accepted")]
+    Replayed,
     #[error("unsupported signature scheme {0:?}: only hmac-sha256 is supported")]
     UnsupportedScheme(String),
     #[error("{part} is not valid JSON: {source}")]

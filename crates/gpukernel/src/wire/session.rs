@@ -1,7 +1,9 @@
+use super::replay::{SeenSignatures, HISTORY};
 use super::{RawMessage, Signer, WireError};
 use bytes::Bytes;
 use chrono::{SecondsFormat, Utc};
 use serde_json::{json, Value};
+use std::sync::{Mutex, PoisonError};
 use zeromq::ZmqMessage;
 
 /// What a reply needs from its request: where it came from and its header, kept as the raw
@@ -25,6 +27,7 @@ impl Parent {
 pub struct Session {
     signer: Signer,
     id: String,
+    seen: Mutex<SeenSignatures>,
 }
 
 pub const PROTOCOL_VERSION: &str = "5.3";
@@ -34,6 +37,7 @@ impl Session {
         Self {
             signer,
             id: uuid::Uuid::new_v4().to_string(),
+            seen: Mutex::new(SeenSignatures::new(HISTORY)),
         }
     }
 
@@ -66,8 +70,19 @@ impl Session {
         .into_zmq()
     }
 
+    /// Checks the signature, and that it was not accepted before (a replay).
     pub fn verify(&self, msg: &RawMessage) -> Result<(), WireError> {
-        msg.verify(&self.signer)
+        msg.verify(&self.signer)?;
+        if self.signer.is_signing()
+            && !self
+                .seen
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .first_time(&msg.signature)
+        {
+            return Err(WireError::Replayed);
+        }
+        Ok(())
     }
 
     /// A reply on a ROUTER socket, addressed to the request's sender.
@@ -127,5 +142,19 @@ mod tests {
         assert_eq!(raw.parent_header, parent.header);
         assert_eq!(raw.msg_type().unwrap(), "kernel_info_reply");
         session.verify(&raw).unwrap();
+    }
+
+    #[test]
+    fn a_message_sent_twice_is_refused_the_second_time() {
+        let session = Session::new(Signer::new("hmac-sha256", "k").unwrap());
+        let message = session.iopub(None, "status", &json!({"execution_state": "idle"}));
+        let raw = RawMessage::from_zmq(message).unwrap();
+        session.verify(&raw).unwrap();
+        assert!(matches!(session.verify(&raw), Err(WireError::Replayed)));
+        // Without a key nothing is signed, so nothing can be told apart: all accepted.
+        let unsigned = Session::new(Signer::new("hmac-sha256", "").unwrap());
+        let raw = RawMessage::from_zmq(unsigned.iopub(None, "status", &json!({}))).unwrap();
+        unsigned.verify(&raw).unwrap();
+        unsigned.verify(&raw).unwrap();
     }
 }

@@ -25,6 +25,11 @@ impl Signer {
         Ok(Self { mac: Some(mac) })
     }
 
+    /// Whether messages are signed (a non-empty key).
+    pub fn is_signing(&self) -> bool {
+        self.mac.is_some()
+    }
+
     /// Hex HMAC over header, parent_header, metadata and content (never the buffers).
     pub fn sign(&self, parts: [&[u8]; 4]) -> String {
         match &self.mac {

@@ -35,6 +35,9 @@ pub struct ZmqFramedRead {
     // Configuration is shared; adaptation state belongs to this connection.
     options: Arc<SocketOptions>,
     short_reads: usize,
+    // Set once an error was returned: the stream then ends, so the socket drops the peer
+    // instead of decoding the rest of a broken stream.
+    failed: bool,
 }
 
 impl ZmqFramedRead {
@@ -46,6 +49,7 @@ impl ZmqFramedRead {
             read_chunk_size: options.read_buffer_initial_size,
             options,
             short_reads: 0,
+            failed: false,
         }
     }
 
@@ -108,6 +112,22 @@ impl Stream for ZmqFramedRead {
     type Item = CodecResult<Message>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.failed {
+            return Poll::Ready(None);
+        }
+        let polled = self.as_mut().poll_decode(cx);
+        if let Poll::Ready(Some(Err(_))) = polled {
+            self.failed = true;
+        }
+        polled
+    }
+}
+
+impl ZmqFramedRead {
+    fn poll_decode(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<CodecResult<Message>>> {
         let this = &mut *self;
 
         // Consume buffered data first; read from the socket only when the
