@@ -151,14 +151,56 @@ fn check_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Writes `kernels/<name>/kernel.json` and the logos; returns the directory.
-pub fn install(location: &Location, spec: &Spec) -> Result<PathBuf> {
+/// Who a kernelspec directory belongs to.
+#[derive(Debug, PartialEq, Eq)]
+enum Owner {
+    /// Nothing there (or an empty directory).
+    Nobody,
+    /// A kernel.json whose argv starts with a gpukernel binary.
+    Us,
+    /// Anything else: another kernel's spec, or files that are no kernelspec.
+    Someone,
+}
+
+fn owner(dir: &Path) -> Owner {
+    let Ok(mut entries) = fs::read_dir(dir) else {
+        return Owner::Nobody;
+    };
+    if entries.next().is_none() {
+        return Owner::Nobody;
+    }
+    let Ok(text) = fs::read_to_string(dir.join("kernel.json")) else {
+        return Owner::Someone;
+    };
+    let json: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    let ours = json["argv"]
+        .get(0)
+        .and_then(Value::as_str)
+        .and_then(|bin| Path::new(bin).file_name()?.to_str())
+        .is_some_and(|file| file.starts_with("gpukernel"));
+    if ours {
+        Owner::Us
+    } else {
+        Owner::Someone
+    }
+}
+
+/// Writes `kernels/<name>/kernel.json` and the logos; returns the directory. A directory
+/// there that gpukernel did not write (another kernel named the same) is left alone unless
+/// `force`.
+pub fn install(location: &Location, spec: &Spec, force: bool) -> Result<PathBuf> {
     check_name(&spec.name)?;
     let binary = std::env::current_exe()
         .and_then(fs::canonicalize)
         .context("cannot find the gpukernel binary's own path")?;
     let dir = location.kernels_dir()?.join(&spec.name);
-    fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    if owner(&dir) == Owner::Someone && !force {
+        bail!(
+            "{} holds a kernelspec gpukernel did not write; pick another --name, or pass \
+             --force to replace it",
+            dir.display()
+        );
+    }
     if let Kind::Python { python } = &spec.kind {
         let ok = std::process::Command::new(python)
             .args(["-c", "import ipykernel"])
@@ -175,6 +217,7 @@ pub fn install(location: &Location, spec: &Spec) -> Result<PathBuf> {
     }
     let json = render(&binary, &spec.kind, spec.display_name.as_deref())?;
     let text = serde_json::to_string_pretty(&json)? + "\n";
+    fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     fs::write(dir.join("kernel.json"), text)
         .with_context(|| format!("cannot write {}", dir.join("kernel.json").display()))?;
     for (file, bytes) in LOGOS {
@@ -188,20 +231,13 @@ pub fn install(location: &Location, spec: &Spec) -> Result<PathBuf> {
 pub fn uninstall(location: &Location, name: &str) -> Result<PathBuf> {
     check_name(name)?;
     let dir = location.kernels_dir()?.join(name);
-    let spec = dir.join("kernel.json");
-    let text = fs::read_to_string(&spec)
-        .with_context(|| format!("no kernelspec {name:?} at {}", dir.display()))?;
-    let json: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-    let ours = json["argv"]
-        .get(0)
-        .and_then(Value::as_str)
-        .and_then(|bin| Path::new(bin).file_name()?.to_str())
-        .is_some_and(|file| file.starts_with("gpukernel"));
-    if !ours {
-        bail!(
+    match owner(&dir) {
+        Owner::Nobody => bail!("no kernelspec {name:?} at {}", dir.display()),
+        Owner::Us => {}
+        Owner::Someone => bail!(
             "{} is not a gpukernel kernelspec; remove it with `jupyter kernelspec remove {name}`",
             dir.display()
-        );
+        ),
     }
     fs::remove_dir_all(&dir).with_context(|| format!("cannot remove {}", dir.display()))?;
     Ok(dir)
@@ -220,7 +256,9 @@ mod tests {
             display_name: Some("My GPUs".into()),
             kind: Kind::MagicsOnly,
         };
-        let dir = install(&location, &spec).unwrap();
+        let dir = install(&location, &spec, false).unwrap();
+        // Installing again over our own spec is an update.
+        install(&location, &spec, false).unwrap();
         assert_eq!(dir, tmp.path().join("share/jupyter/kernels/gpu-magics"));
         let json: Value =
             serde_json::from_str(&fs::read_to_string(dir.join("kernel.json")).unwrap()).unwrap();
@@ -232,6 +270,41 @@ mod tests {
         uninstall(&location, "gpu-magics").unwrap();
         assert!(!dir.exists());
         assert!(uninstall(&location, "gpu-magics").is_err());
+    }
+
+    #[test]
+    fn another_kernels_spec_is_replaced_only_with_force() {
+        let tmp = tempfile::tempdir().unwrap();
+        let location = Location::Prefix(tmp.path().to_path_buf());
+        let dir = location.kernels_dir().unwrap().join("python3");
+        fs::create_dir_all(&dir).unwrap();
+        let theirs =
+            r#"{"argv": ["python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"]}"#;
+        fs::write(dir.join("kernel.json"), theirs).unwrap();
+        let spec = Spec {
+            name: "python3".into(),
+            display_name: None,
+            kind: Kind::MagicsOnly,
+        };
+        let error = install(&location, &spec, false).unwrap_err().to_string();
+        assert!(
+            error.contains("did not write") && error.contains("--force"),
+            "{error}"
+        );
+        assert_eq!(fs::read_to_string(dir.join("kernel.json")).unwrap(), theirs);
+        assert!(uninstall(&location, "python3").is_err());
+        install(&location, &spec, true).unwrap();
+        assert_eq!(owner(&dir), Owner::Us);
+        // A directory of other files (no kernel.json) is not ours either.
+        let other = location.kernels_dir().unwrap().join("notes");
+        fs::create_dir_all(&other).unwrap();
+        fs::write(other.join("README"), "mine").unwrap();
+        let spec = Spec {
+            name: "notes".into(),
+            display_name: None,
+            kind: Kind::MagicsOnly,
+        };
+        assert!(install(&location, &spec, false).is_err());
     }
 
     #[test]
@@ -274,7 +347,7 @@ mod tests {
             display_name: None,
             kind: Kind::MagicsOnly,
         };
-        assert!(install(&location, &bad).is_err());
+        assert!(install(&location, &bad, false).is_err());
         let foreign = tmp.path().join("share/jupyter/kernels/python3");
         fs::create_dir_all(&foreign).unwrap();
         fs::write(

@@ -65,6 +65,9 @@ enum Command {
         /// The Python whose ipykernel `gpu-python` runs (default: the active env's python3).
         #[arg(long, value_name = "PATH", conflicts_with = "magics_only")]
         python: Option<PathBuf>,
+        /// Replace a kernelspec of that name that gpukernel did not write.
+        #[arg(long)]
+        force: bool,
     },
     /// Remove a kernelspec installed by `gpukernel install`.
     Uninstall {
@@ -165,6 +168,7 @@ fn main() -> Result<()> {
             display_name,
             magics_only,
             python,
+            force,
         } => {
             let (kind, default_name) = if magics_only {
                 (kernelspec::Kind::MagicsOnly, kernelspec::MAGICS_NAME)
@@ -180,7 +184,7 @@ fn main() -> Result<()> {
                 display_name,
                 kind,
             };
-            let dir = kernelspec::install(&location.location(), &spec)?;
+            let dir = kernelspec::install(&location.location(), &spec, force)?;
             println!("Installed kernelspec {} in {}", spec.name, dir.display());
         }
         Command::Uninstall { location, name } => {
