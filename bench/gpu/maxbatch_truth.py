@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("GPUKERNEL_BIN", ROOT / ".device" / "gpukernel"))
 OUT = Path(os.environ.get("OUT", "."))
 CAP_GIB = float(os.environ.get("CAP_GIB", "24"))
-# SURVEY=1: no baseline; the truth's bisection also records the memory curve (the data the
-# search's deterministic tests are built from).
+# SURVEY=1: a quicker run, without the baseline search and the libtorch rows. Every run records
+# the memory curve of the truth's bisection (the data the search's deterministic tests use).
 SURVEY = os.environ.get("SURVEY") == "1"
 
 MODELS = r"""
@@ -179,7 +179,10 @@ def train(name, batch, steps):
 
 curve = []  # (batch, fits, peak allocated, peak reserved) of every fits() call
 
-def fits(name, batch, steps=2):
+def fits(name, batch, steps=3):
+    # The user's loop as it starts after %maxbatch: the optimizer has no state yet (AdamW
+    # makes it at the first step, among that step's freed activations), then two more steps.
+    opts[name].state.clear()
     gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
     try:
         train(name, batch, steps)
@@ -188,6 +191,7 @@ def fits(name, batch, steps=2):
         ok = False
     curve.append((batch, ok, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
     opts[name].zero_grad(set_to_none=True)
+    opts[name].state.clear()
     gc.collect(); torch.cuda.empty_cache()
     return ok
 
@@ -221,13 +225,10 @@ def true_max(name, start, survey=False):
     return {"true_max": lo, "probes": probes, "seconds": time.time() - t0,
             "curve": sorted(set(curve))}
 
-def fresh_optimizer_steps_ok(name, batch, n=5):
-    # The first steps of a loop whose optimizer has no state yet, at `batch`.
+def steps_ok(name, batch, n=30):
+    # n steps of the notebook's loop from a fresh optimizer, as the user's training will run.
     opts[name].state.clear()
     gc.collect(); torch.cuda.empty_cache()
-    return steps_ok(name, batch, n)
-
-def steps_ok(name, batch, n=30):
     done = 0
     try:
         for _ in range(n):
@@ -235,6 +236,7 @@ def steps_ok(name, batch, n=30):
     except torch.OutOfMemoryError:
         pass
     opts[name].zero_grad(set_to_none=True)
+    opts[name].state.clear()
     gc.collect(); torch.cuda.empty_cache()
     return done
 
@@ -339,14 +341,13 @@ def main() -> int:
                 row["baseline_trials"] = base.get("trials")
                 row["baseline_seconds"] = base.get("seconds")
                 row["baseline_max"] = base.get("max_batch")
-            truth = value(kc, f"true_max({key!r}, {ours.get('max_batch') or 8}, {SURVEY})")
+            truth = value(kc, f"true_max({key!r}, {ours.get('max_batch') or 8}, True)")
             row["true_max"], row["true_max_probes"] = truth["true_max"], truth["probes"]
-            if SURVEY:
-                row["curve"] = truth["curve"]
+            row["curve"] = truth["curve"]
             if ours.get("recommended"):
                 row["steps_ok_at_recommended"] = value(kc, f"steps_ok({key!r}, {ours['recommended']})")
-                row["fresh_optimizer_steps_ok"] = value(
-                    kc, f"fresh_optimizer_steps_ok({key!r}, {ours['recommended']})")
+            if ours.get("max_batch"):
+                row["steps_ok_at_max"] = value(kc, f"steps_ok({key!r}, {ours['max_batch']})")
             if ours.get("max_batch") and truth["true_max"]:
                 row["ratio"] = ours["max_batch"] / truth["true_max"]
                 if not SURVEY:

@@ -655,7 +655,8 @@ fn notes(prepared: &Prepared) -> Vec<String> {
     }
     if !d.optimizers_without_state.is_empty() {
         notes.push(format!(
-            "{} had no state yet (no step has run): the first trial created it and the others              ran with it, as steps 2 onwards of your loop do; it is gone again. A first step at              a large batch creates it among its freed activations, which can fragment the              cache: start with one small step, or set              PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+            "{} had no state yet (no step has run): every trial started that way and made it \
+             at its first step, as your loop's first step will; it is gone again",
             d.optimizers_without_state.join(", ")
         ));
     }

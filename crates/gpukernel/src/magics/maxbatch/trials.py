@@ -130,11 +130,13 @@ class Snapshot:
                         n += v[1].numel() * v[1].element_size()
         return n
 
-    def restore(self, final=True):
+    def restore(self):
         """Puts everything back. Optimizer state a trial created (an optimizer that had not
-        stepped yet) is dropped only when `final`: between trials it stays, so every trial runs
-        in the steady state of a training loop, with that state allocated once, at the first
-        (smallest) trial, instead of carved out of each trial's freed activations."""
+        stepped yet) goes too, so every trial starts as the user's loop will: its first step
+        makes that state among the step's freed activations, exactly where the user's own first
+        step will, and the next step runs in the cache that leaves. (Kept between trials
+        instead, it would sit in one block made at the smallest trial: measured on an H200,
+        that overstates a fresh loop's maximum by up to 12% for LMs trained with AdamW.)"""
         torch = self.torch
         with torch.no_grad():
             for p, value, grad in self.params:
@@ -148,9 +150,8 @@ class Snapshot:
         for m, training in self.flags:
             m.training = training
         for opt, (state, groups) in self.optimizers:
-            if final:
-                for p in [p for p in opt.state if p not in state]:
-                    del opt.state[p]  # state the trials created: its memory goes now
+            for p in [p for p in opt.state if p not in state]:
+                del opt.state[p]  # state the trial created: its memory goes now
             for p, entry in state.items():
                 current = opt.state[p]
                 for k in [k for k in current if k not in entry]:
@@ -570,10 +571,10 @@ class Session:
             self.torch.cuda.synchronize(self.device)
             self.torch.cuda.empty_cache()
 
-    def restore(self, final=False):
+    def restore(self):
         for attempt in range(3):  # an interrupt landing in the restore must not leave it half done
             try:
-                self.snapshot.restore(final)
+                self.snapshot.restore()
                 return
             except KeyboardInterrupt:
                 if attempt == 2:
@@ -707,7 +708,7 @@ def _end_session():
     if session is None:
         return {"closed": False}
     try:
-        session.restore(final=True)
+        session.restore()
     finally:
         if session.saved_fraction is not None:
             session.torch.cuda.set_per_process_memory_fraction(session.saved_fraction,
