@@ -2,13 +2,14 @@
 //!
 //! Layout (data flows one way): `wire` (frames, signing) -> `server` (sockets) -> `kernel`
 //! (what each request means) -> `magics` (parse args -> gpuprobe -> outputs) -> back out
-//! through `kernel::exec`, the only module that knows both magics and messages.
+//! through `shell::exec`, the only module that knows both magics and messages.
 
 mod kernel;
 mod kernelspec;
 mod magics;
 mod proxy;
 mod server;
+mod shell;
 #[cfg(feature = "torch")]
 mod torch_plugin;
 mod wire;

@@ -4,20 +4,21 @@
 //! interrupt and shutdown arrive while a magic runs. Magics run on blocking threads
 //! ([`exec::run_magic`]).
 
-pub mod exec;
 pub mod history;
 pub mod replies;
 
 use crate::magics::{cell, CancelToken, GpuState, Registry};
-use crate::server::{spawn_heartbeat, spawn_iopub, Channels, Iopub};
+use crate::server::{accept, send, spawn_heartbeat, spawn_iopub, Channels, Iopub};
+use crate::shell::exec::{self, Engine, IopubSink};
+use crate::shell::request::{CodeAt, ExecuteRequest};
+use crate::shell::{busy, reply};
 use crate::wire::{Parent, RawMessage, Session, Signer};
-use exec::{Engine, IopubSink};
 use history::History;
 use jupyter_protocol::ConnectionInfo;
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::mpsc;
-use zeromq::{RouterSendHalf, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{RouterSendHalf, SocketRecv};
 
 /// State shared by the shell and control tasks.
 #[derive(Default)]
@@ -40,53 +41,12 @@ impl Kernel {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn status(&self, parent: &Parent, state: &str) {
-        self.iopub.send(self.session.iopub(
-            Some(parent),
-            "status",
-            &json!({"execution_state": state}),
-        ));
-    }
-
     /// Interrupts the running magic, if any.
     pub fn interrupt(&self) {
         if let Some(token) = &self.state().running {
             tracing::info!("interrupting the running magic");
             token.cancel();
         }
-    }
-}
-
-/// Receives, verifies and parses; a bad message is logged and dropped (the loop goes on).
-pub(crate) fn accept(
-    session: &Session,
-    channel: &str,
-    frames: ZmqMessage,
-) -> Option<(RawMessage, String)> {
-    let msg = match RawMessage::from_zmq(frames) {
-        Ok(msg) => msg,
-        Err(e) => {
-            tracing::warn!("{channel}: dropped a malformed message: {e}");
-            return None;
-        }
-    };
-    if let Err(e) = session.verify(&msg) {
-        tracing::warn!("{channel}: dropped a message: {e}");
-        return None;
-    }
-    match msg.msg_type() {
-        Ok(t) => Some((msg, t)),
-        Err(e) => {
-            tracing::warn!("{channel}: dropped a message: {e}");
-            None
-        }
-    }
-}
-
-pub(crate) async fn send(socket: &mut RouterSendHalf, message: ZmqMessage) {
-    // A client may vanish between request and reply; that must not end the loop.
-    if let Err(e) = socket.send(message).await {
-        tracing::warn!("reply not delivered: {e}");
     }
 }
 
@@ -138,9 +98,9 @@ pub async fn run(info: ConnectionInfo) -> anyhow::Result<()> {
                 continue;
             };
             let parent = Parent::of(&msg);
-            control_kernel.status(&parent, "busy");
-            let stop = handle_control(&control_kernel, &mut reply, &msg, &msg_type, &parent).await;
-            control_kernel.status(&parent, "idle");
+            let k = &control_kernel;
+            let work = handle_control(k, &mut reply, &msg, &msg_type, &parent);
+            let stop = busy(&k.session, &k.iopub, &parent, work).await;
             if stop {
                 let _ = shutdown_tx.send(()).await;
             }
@@ -171,9 +131,8 @@ pub async fn run(info: ConnectionInfo) -> anyhow::Result<()> {
                 };
                 let Some((msg, msg_type)) = accept(&kernel.session, "shell", frames) else { continue };
                 let parent = Parent::of(&msg);
-                kernel.status(&parent, "busy");
-                let stop = handle_shell(&kernel, &mut shell_send, &msg, &msg_type, &parent).await;
-                kernel.status(&parent, "idle");
+                let work = handle_shell(&kernel, &mut shell_send, &msg, &msg_type, &parent);
+                let stop = busy(&kernel.session, &kernel.iopub, &parent, work).await;
                 if stop { break; }
             }
         }
@@ -258,18 +217,28 @@ async fn handle_shell(
         }
     };
     let registry = &kernel.engine.registry;
-    let code = content.get("code").and_then(Value::as_str).unwrap_or("");
-    let cursor = content
-        .get("cursor_pos")
-        .and_then(Value::as_u64)
-        .map(|c| c as usize)
-        .unwrap_or_else(|| code.chars().count());
+    let code_at = || {
+        CodeAt::parse(&content)
+            .map_err(|e| tracing::warn!("shell: {msg_type} with bad content: {e}"))
+            .ok()
+    };
     let reply = match msg_type {
         "kernel_info_request" => replies::kernel_info(),
-        "execute_request" => execute(kernel, &content, parent).await,
-        "complete_request" => replies::complete(registry, code, cursor),
-        "inspect_request" => replies::inspect(registry, code, cursor),
-        "is_complete_request" => replies::is_complete(registry, code),
+        "execute_request" => match ExecuteRequest::parse(&content) {
+            Ok(request) => execute(kernel, &request, parent).await,
+            Err(e) => {
+                tracing::warn!("shell: execute_request with bad content: {e}");
+                return false;
+            }
+        },
+        "complete_request" | "inspect_request" | "is_complete_request" => {
+            let Some(at) = code_at() else { return false };
+            match msg_type {
+                "complete_request" => reply::complete(registry, &at.code, at.cursor()),
+                "inspect_request" => reply::inspect(registry, &at.code, at.cursor()),
+                _ => replies::is_complete(registry, &at.code),
+            }
+        }
         "history_request" => {
             json!({"status": "ok", "history": kernel.state().history.query(&content)})
         }
@@ -312,17 +281,9 @@ async fn handle_shell(
 }
 
 /// execute_request in magics-only mode: every non-blank, non-comment line must be a magic.
-async fn execute(kernel: &Arc<Kernel>, content: &Value, parent: &Parent) -> Value {
-    let code = content.get("code").and_then(Value::as_str).unwrap_or("");
-    let silent = content
-        .get("silent")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let store_history = !silent
-        && content
-            .get("store_history")
-            .and_then(Value::as_bool)
-            .unwrap_or(true);
+async fn execute(kernel: &Arc<Kernel>, request: &ExecuteRequest, parent: &Parent) -> Value {
+    let code = request.code.as_str();
+    let store_history = request.stores_history();
     let cancel = CancelToken::new();
     let count = {
         let mut state = kernel.state();
@@ -332,7 +293,7 @@ async fn execute(kernel: &Arc<Kernel>, content: &Value, parent: &Parent) -> Valu
         state.running = Some(cancel.clone());
         state.execution_count
     };
-    if !silent {
+    if !request.silent {
         kernel.iopub.send(kernel.session.iopub(
             Some(parent),
             "execute_input",
@@ -343,7 +304,7 @@ async fn execute(kernel: &Arc<Kernel>, content: &Value, parent: &Parent) -> Valu
         kernel.session.clone(),
         kernel.iopub.clone(),
         parent.clone(),
-        silent,
+        request.silent,
         count,
     ));
     let registry = &kernel.engine.registry;
@@ -361,7 +322,7 @@ async fn execute(kernel: &Arc<Kernel>, content: &Value, parent: &Parent) -> Valu
             break;
         }
     }
-    let pages = sink.take_pages();
+    let pages: Vec<Value> = reply::pages(sink.take_pages()).collect();
     {
         let mut state = kernel.state();
         state.running = None;
@@ -369,22 +330,6 @@ async fn execute(kernel: &Arc<Kernel>, content: &Value, parent: &Parent) -> Valu
             state.history.record(count, code, sink.take_text());
         }
     }
-    let user_expressions = replies::user_expressions(content);
-    match outcome {
-        Ok(()) => json!({
-            "status": "ok",
-            "execution_count": count,
-            "user_expressions": user_expressions,
-            "payload": pages.into_iter().map(|data| json!({"source": "page", "data": data, "start": 0})).collect::<Vec<_>>(),
-        }),
-        Err(e) => json!({
-            "status": "error",
-            "execution_count": count,
-            "ename": e.ename,
-            "evalue": e.evalue,
-            "traceback": e.traceback,
-            "user_expressions": user_expressions,
-            "payload": [],
-        }),
-    }
+    let user_expressions = replies::user_expressions(&request.user_expressions);
+    reply::execute_reply(count, outcome.map(|()| pages), user_expressions)
 }

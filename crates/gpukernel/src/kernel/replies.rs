@@ -42,30 +42,6 @@ pub fn usage() -> Value {
     })
 }
 
-pub fn complete(registry: &Registry, code: &str, cursor: usize) -> Value {
-    match registry.complete(code, cursor) {
-        Some(c) => json!({
-            "status": "ok",
-            "matches": c.matches,
-            "cursor_start": c.cursor_start,
-            "cursor_end": c.cursor_end,
-            "metadata": {},
-        }),
-        None => json!({
-            "status": "ok", "matches": [], "cursor_start": cursor, "cursor_end": cursor, "metadata": {},
-        }),
-    }
-}
-
-pub fn inspect(registry: &Registry, code: &str, cursor: usize) -> Value {
-    match registry.inspect(code, cursor) {
-        Some(text) => {
-            json!({"status": "ok", "found": true, "data": {"text/plain": text}, "metadata": {}})
-        }
-        None => json!({"status": "ok", "found": false, "data": {}, "metadata": {}}),
-    }
-}
-
 fn is_code(line: &str) -> bool {
     let trimmed = line.trim();
     !trimmed.is_empty() && !trimmed.starts_with('#')
@@ -102,18 +78,16 @@ pub fn not_a_magic(registry: &Registry, text: &str) -> Result<(), MagicError> {
 }
 
 /// This kernel evaluates no expressions; say so for each one asked.
-pub fn user_expressions(content: &Value) -> Value {
-    let mut out = Map::new();
-    if let Some(asked) = content.get("user_expressions").and_then(Value::as_object) {
-        for key in asked.keys() {
-            out.insert(
-                key.clone(),
-                json!({"status": "error", "ename": "UsageError",
-                       "evalue": "the magics-only kernel evaluates no expressions", "traceback": []}),
-            );
-        }
-    }
-    Value::Object(out)
+pub fn user_expressions(asked: &Map<String, Value>) -> Map<String, Value> {
+    asked
+        .keys()
+        .map(|key| {
+            let error = json!({"status": "error", "ename": "UsageError",
+                               "evalue": "the magics-only kernel evaluates no expressions",
+                               "traceback": []});
+            (key.clone(), error)
+        })
+        .collect()
 }
 
 #[cfg(test)]

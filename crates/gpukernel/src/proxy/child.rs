@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
-use serde_json::json;
+use jupyter_protocol::{ConnectionInfo, Transport};
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -31,9 +31,22 @@ pub struct ChildSockets {
     pub iopub: SubSocket,
 }
 
-/// The child's channels in connection-file order (shell, iopub, stdin, control, hb): with the
-/// ipc transport a "port" is only the suffix of a socket path, `<ip>-<port>`.
-const PORTS: [u16; 5] = [1, 2, 3, 4, 5];
+/// The child's connection: ipc sockets `<dir>/k-1` .. `k-5` (with the ipc transport a port is
+/// only the suffix of a socket path, ipykernel's `<ip>-<port>`), and our key.
+fn child_connection(dir: &Path, key: &str, scheme: &str) -> ConnectionInfo {
+    ConnectionInfo {
+        ip: dir.join("k").display().to_string(),
+        transport: Transport::IPC,
+        shell_port: 1,
+        iopub_port: 2,
+        stdin_port: 3,
+        control_port: 4,
+        hb_port: 5,
+        key: key.to_string(),
+        signature_scheme: scheme.to_string(),
+        kernel_name: None,
+    }
+}
 
 /// The private directory the child lives in: mode 0700, so no other user of the machine can
 /// reach its sockets (ipc, not tcp: nothing listens on loopback) or read its key. Under the
@@ -48,19 +61,8 @@ fn private_dir() -> Result<tempfile::TempDir> {
     Ok(dir)
 }
 
-/// Where the child's channel `port` listens.
-fn socket_path(dir: &Path, port: u16) -> PathBuf {
-    dir.join(format!("k-{port}"))
-}
-
 /// Writes the child's connection file (0600: it holds the key) in its private directory.
-fn write_connection_file(dir: &Path, key: &str, scheme: &str) -> Result<PathBuf> {
-    let info = json!({
-        "ip": dir.join("k").display().to_string(), "transport": "ipc",
-        "shell_port": PORTS[0], "iopub_port": PORTS[1], "stdin_port": PORTS[2],
-        "control_port": PORTS[3], "hb_port": PORTS[4],
-        "key": key, "signature_scheme": scheme,
-    });
+fn write_connection_file(dir: &Path, info: &ConnectionInfo) -> Result<PathBuf> {
     let path = dir.join("connection.json");
     let mut file = std::fs::OpenOptions::new()
         .write(true)
@@ -68,24 +70,26 @@ fn write_connection_file(dir: &Path, key: &str, scheme: &str) -> Result<PathBuf>
         .mode(0o600)
         .open(&path)
         .with_context(|| format!("cannot write {}", path.display()))?;
-    file.write_all(info.to_string().as_bytes())?;
+    file.write_all(serde_json::to_string(info)?.as_bytes())?;
     Ok(path)
 }
 
-/// Waits until the child has bound `path`. zeromq's own connect retries with exponential
-/// backoff (50 ms, 100 ms, ...), which would add up to a few hundred ms to every kernel start.
-async fn wait_listening(path: &Path) {
+/// Waits until the child has bound `endpoint` (`ipc://PATH`). zeromq's own connect retries
+/// with exponential backoff (50 ms, 100 ms, ...), which would add up to a few hundred ms to
+/// every kernel start.
+async fn wait_listening(endpoint: &str) {
+    let path = endpoint.trim_start_matches("ipc://");
     while tokio::net::UnixStream::connect(path).await.is_err() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
-async fn connect<S: Socket>(mut socket: S, path: PathBuf) -> Result<S> {
-    wait_listening(&path).await;
+async fn connect<S: Socket>(mut socket: S, endpoint: String) -> Result<S> {
+    wait_listening(&endpoint).await;
     socket
-        .connect(&format!("ipc://{}", path.display()))
+        .connect(&endpoint)
         .await
-        .with_context(|| format!("cannot connect to the child kernel at {}", path.display()))?;
+        .with_context(|| format!("cannot connect to the child kernel at {endpoint}"))?;
     Ok(socket)
 }
 
@@ -132,7 +136,8 @@ async fn start_once(
         return Err(anyhow::anyhow!("no child kernel command given").into());
     };
     let dir = private_dir()?;
-    let connection_file = write_connection_file(dir.path(), key, scheme)?;
+    let info = child_connection(dir.path(), key, scheme);
+    let connection_file = write_connection_file(dir.path(), &info)?;
     let file_arg = connection_file.display().to_string();
     let args: Vec<String> = argv[1..]
         .iter()
@@ -156,8 +161,6 @@ async fn start_once(
         .spawn()
         .with_context(|| format!("cannot start the child kernel {program:?}"))?;
     let pid = process.id().unwrap_or(0);
-    let dir_path = dir.path().to_path_buf();
-    let socket = |port| socket_path(&dir_path, port);
     let mut child = Child {
         process,
         pid,
@@ -173,12 +176,12 @@ async fn start_once(
         Ok(DealerSocket::with_options(options))
     };
     let connecting = async {
-        let mut iopub = connect(SubSocket::new(), socket(PORTS[1])).await?;
+        let mut iopub = connect(SubSocket::new(), info.iopub_url()).await?;
         iopub.subscribe("").await?;
         Ok::<_, anyhow::Error>(ChildSockets {
-            shell: connect(dealer(&identity)?, socket(PORTS[0])).await?,
-            stdin: connect(dealer(&identity)?, socket(PORTS[2])).await?,
-            control: connect(DealerSocket::new(), socket(PORTS[3])).await?,
+            shell: connect(dealer(&identity)?, info.shell_url()).await?,
+            stdin: connect(dealer(&identity)?, info.stdin_url()).await?,
+            control: connect(DealerSocket::new(), info.control_url()).await?,
             iopub,
         })
     };

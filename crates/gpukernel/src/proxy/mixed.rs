@@ -8,8 +8,10 @@
 
 use super::python::record_history_code;
 use super::Proxy;
-use crate::kernel::exec::{run_magic, IopubSink};
 use crate::magics::{cell::Segment, MagicError};
+use crate::shell::exec::{run_magic, IopubSink};
+use crate::shell::reply;
+use crate::shell::request::ExecuteRequest;
 use crate::wire::{Parent, RawMessage};
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -29,26 +31,28 @@ fn error_of(reply: &Value) -> MagicError {
     }
 }
 
-/// Runs the cell and returns the execute_reply content.
+/// Runs the cell and returns the execute_reply content. `content` is the request's own
+/// content (each Python part is sent with it, only the code and bookkeeping fields changed);
+/// `cell` its typed view.
 pub async fn execute(
     proxy: &Arc<Proxy>,
     request: &RawMessage,
     content: &Value,
+    cell: &ExecuteRequest,
     segments: Vec<Segment>,
     parent: &Parent,
 ) -> Value {
-    let code = content["code"].as_str().unwrap_or("");
-    let silent = content["silent"].as_bool().unwrap_or(false);
-    let store_history = !silent && content["store_history"].as_bool().unwrap_or(true);
+    let code = cell.code.as_str();
+    let silent = cell.silent;
+    let store_history = cell.stores_history();
     let link = &proxy.link;
 
     // Waits for earlier cells, and tells us the count this cell gets.
     let count = match link.silent_execute("", &json!({})).await {
         Ok(reply) => reply["execution_count"].as_u64().unwrap_or(0) + 1,
         Err(e) => {
-            return json!({"status": "error", "ename": "KernelError", "evalue": e.to_string(),
-                          "traceback": [e.to_string()], "execution_count": 0,
-                          "user_expressions": {}, "payload": []});
+            let error = MagicError::new("KernelError", e.to_string());
+            return reply::execute_reply(0, Err(error), Default::default());
         }
     };
     if !silent {
@@ -83,6 +87,7 @@ pub async fn execute(
                 let mut part = content.clone();
                 part["code"] = Value::String(text);
                 part["store_history"] = Value::Bool(false);
+                part["allow_stdin"] = Value::Bool(cell.allow_stdin);
                 part["user_expressions"] = json!({});
                 // We stop the cell ourselves; the child must not abort our follow-up requests.
                 part["stop_on_error"] = Value::Bool(false);
@@ -114,11 +119,7 @@ pub async fn execute(
             break;
         }
     }
-    payload.extend(
-        sink.take_pages()
-            .into_iter()
-            .map(|data| json!({"source": "page", "data": data, "start": 0})),
-    );
+    payload.extend(reply::pages(sink.take_pages()));
     proxy.stop_running();
 
     // History and counter, plus the request's user_expressions, in one silent execute.
@@ -127,24 +128,22 @@ pub async fn execute(
     } else {
         String::new()
     };
-    let asked = content
-        .get("user_expressions")
-        .cloned()
-        .unwrap_or(json!({}));
+    let asked = Value::Object(cell.user_expressions.clone());
     let user_expressions = match link.silent_execute(&bookkeeping, &asked).await {
-        Ok(reply) => reply.get("user_expressions").cloned().unwrap_or(json!({})),
+        Ok(reply) => match reply.get("user_expressions") {
+            Some(Value::Object(values)) => values.clone(),
+            _ => Default::default(),
+        },
         Err(e) => {
             tracing::warn!("could not record the cell in IPython's history: {e}");
-            json!({})
+            Default::default()
         }
     };
     link.end_cell();
 
-    match failure {
-        None => json!({"status": "ok", "execution_count": count,
-                       "user_expressions": user_expressions, "payload": payload}),
-        Some(e) => json!({"status": "error", "execution_count": count, "ename": e.ename,
-                          "evalue": e.evalue, "traceback": e.traceback,
-                          "user_expressions": user_expressions, "payload": []}),
-    }
+    let outcome = match failure {
+        None => Ok(payload),
+        Some(e) => Err(e),
+    };
+    reply::execute_reply(count, outcome, user_expressions)
 }

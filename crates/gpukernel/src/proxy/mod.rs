@@ -10,10 +10,11 @@ mod link;
 mod mixed;
 mod python;
 
-use crate::kernel::exec::Engine;
-use crate::kernel::{accept, replies, send};
 use crate::magics::{cell, CancelToken, GpuState, Registry};
-use crate::server::{spawn_heartbeat, spawn_iopub, Channels, Iopub};
+use crate::server::{accept, send, spawn_heartbeat, spawn_iopub, Channels, Iopub};
+use crate::shell::exec::Engine;
+use crate::shell::request::{CodeAt, ExecuteRequest};
+use crate::shell::{busy, reply};
 use crate::wire::{Parent, RawMessage, Session, Signer};
 use anyhow::Result;
 use jupyter_protocol::ConnectionInfo;
@@ -48,14 +49,6 @@ impl Proxy {
         if let Some(token) = &*self.running.lock().unwrap_or_else(PoisonError::into_inner) {
             token.cancel();
         }
-    }
-
-    fn status(&self, parent: &Parent, state: &str) {
-        self.iopub.send(self.session.iopub(
-            Some(parent),
-            "status",
-            &json!({"execution_state": state}),
-        ));
     }
 }
 
@@ -257,88 +250,84 @@ async fn handle_shell(
     msg: RawMessage,
     msg_type: &str,
 ) {
-    let registry = &proxy.engine.registry;
-    let ours = match msg_type {
+    let content = match msg_type {
         "execute_request" | "complete_request" | "inspect_request" => msg.content_json().ok(),
         _ => None,
     };
-    let Some(content) = ours else {
+    let Some(content) = content else {
         proxy.link.forward_shell(msg.into_zmq()).await;
         return;
     };
-    let code = content["code"].as_str().unwrap_or("").to_string();
-    let cursor = content["cursor_pos"]
-        .as_u64()
-        .map(|c| c as usize)
-        .unwrap_or_else(|| code.chars().count());
     let parent = Parent::of(&msg);
-    match msg_type {
-        "execute_request" => {
-            let segments = cell::split(&code, |name| registry.is_ours(name));
-            if !segments
-                .iter()
-                .any(|s| matches!(s, cell::Segment::Magic(_)))
-            {
-                proxy.link.forward_shell(msg.into_zmq()).await;
-                return;
-            }
-            proxy.status(&parent, "busy");
-            let reply = mixed::execute(proxy, &msg, &content, segments, &parent).await;
-            send(
-                socket,
-                proxy.session.reply(&parent, "execute_reply", &reply),
-            )
-            .await;
-            proxy.status(&parent, "idle");
+    let answer = match msg_type {
+        "execute_request" => execute(proxy, &msg, &content, &parent).await,
+        _ => match CodeAt::parse(&content) {
+            Ok(at) if msg_type == "complete_request" => complete(proxy, &at, &parent).await,
+            Ok(at) => inspect(proxy, &at, &parent).await,
+            Err(_) => None, // the child says what is wrong with it
+        },
+    };
+    match answer {
+        Some((reply_type, reply)) => {
+            send(socket, proxy.session.reply(&parent, reply_type, &reply)).await;
         }
-        "complete_request" => {
-            let Some(ours) = registry.complete(&code, cursor) else {
-                proxy.link.forward_shell(msg.into_zmq()).await;
-                return;
-            };
-            proxy.status(&parent, "busy");
-            // IPython completes its own %magics at the same spot: offer both.
-            let theirs = proxy
-                .link
-                .request(
-                    "complete_request",
-                    &json!({"code": code, "cursor_pos": cursor}),
-                )
-                .await
-                .ok();
-            let mut matches = ours.matches.clone();
-            if let Some(theirs) = theirs.as_ref().filter(|t| {
-                t["cursor_start"].as_u64() == Some(ours.cursor_start as u64)
-                    && t["cursor_end"].as_u64() == Some(ours.cursor_end as u64)
-            }) {
-                for m in theirs["matches"].as_array().into_iter().flatten() {
-                    if let Some(m) = m.as_str().filter(|m| !matches.iter().any(|x| x == m)) {
-                        matches.push(m.to_string());
-                    }
+        None => proxy.link.forward_shell(msg.into_zmq()).await,
+    }
+}
+
+/// What we answer ourselves: the reply's type and content; `None`: the child answers.
+type Answer = Option<(&'static str, Value)>;
+
+/// A cell with our magics in it runs here (see [`mixed`]); any other goes to the child.
+async fn execute(proxy: &Arc<Proxy>, msg: &RawMessage, content: &Value, parent: &Parent) -> Answer {
+    let request = ExecuteRequest::parse(content).ok()?;
+    let segments = cell::split(&request.code, |name| proxy.engine.registry.is_ours(name));
+    if !segments
+        .iter()
+        .any(|s| matches!(s, cell::Segment::Magic(_)))
+    {
+        return None;
+    }
+    let work = mixed::execute(proxy, msg, content, &request, segments, parent);
+    let reply = busy(&proxy.session, &proxy.iopub, parent, work).await;
+    Some(("execute_reply", reply))
+}
+
+/// Completion on our magics, merged with IPython's own %magics at the same spot.
+async fn complete(proxy: &Arc<Proxy>, at: &CodeAt, parent: &Parent) -> Answer {
+    let ours = proxy.engine.registry.complete(&at.code, at.cursor())?;
+    let work = async {
+        let theirs = proxy
+            .link
+            .request(
+                "complete_request",
+                &json!({"code": at.code, "cursor_pos": at.cursor()}),
+            )
+            .await
+            .ok();
+        let mut matches = ours.matches.clone();
+        if let Some(theirs) = theirs.as_ref().filter(|t| {
+            t["cursor_start"].as_u64() == Some(ours.cursor_start as u64)
+                && t["cursor_end"].as_u64() == Some(ours.cursor_end as u64)
+        }) {
+            for m in theirs["matches"].as_array().into_iter().flatten() {
+                if let Some(m) = m.as_str().filter(|m| !matches.iter().any(|x| x == m)) {
+                    matches.push(m.to_string());
                 }
             }
-            let reply = json!({"status": "ok", "matches": matches, "cursor_start": ours.cursor_start,
-                               "cursor_end": ours.cursor_end, "metadata": {}});
-            send(
-                socket,
-                proxy.session.reply(&parent, "complete_reply", &reply),
-            )
-            .await;
-            proxy.status(&parent, "idle");
         }
-        _ => {
-            if registry.inspect(&code, cursor).is_none() {
-                proxy.link.forward_shell(msg.into_zmq()).await;
-                return;
-            }
-            proxy.status(&parent, "busy");
-            let reply: Value = replies::inspect(registry, &code, cursor);
-            send(
-                socket,
-                proxy.session.reply(&parent, "inspect_reply", &reply),
-            )
-            .await;
-            proxy.status(&parent, "idle");
-        }
-    }
+        json!({"status": "ok", "matches": matches, "cursor_start": ours.cursor_start,
+               "cursor_end": ours.cursor_end, "metadata": {}})
+    };
+    let reply = busy(&proxy.session, &proxy.iopub, parent, work).await;
+    Some(("complete_reply", reply))
+}
+
+/// Help on our magics; anything else is inspected by the child.
+async fn inspect(proxy: &Arc<Proxy>, at: &CodeAt, parent: &Parent) -> Answer {
+    let registry = &proxy.engine.registry;
+    registry.inspect(&at.code, at.cursor())?;
+    let work = async { reply::inspect(registry, &at.code, at.cursor()) };
+    let reply = busy(&proxy.session, &proxy.iopub, parent, work).await;
+    Some(("inspect_reply", reply))
 }

@@ -3,9 +3,11 @@
 
 mod heartbeat;
 mod iopub;
+mod socket;
 
 pub use heartbeat::spawn_heartbeat;
 pub use iopub::{spawn_iopub, Iopub};
+pub use socket::{accept, send};
 
 use jupyter_protocol::ConnectionInfo;
 use thiserror::Error;
