@@ -10,6 +10,8 @@ mod magics;
 mod proxy;
 mod server;
 mod shell;
+#[cfg(test)]
+mod testing;
 #[cfg(feature = "torch")]
 mod torch_plugin;
 mod wire;

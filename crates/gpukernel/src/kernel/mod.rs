@@ -6,6 +6,8 @@
 
 pub mod history;
 pub mod replies;
+#[cfg(test)]
+mod tests;
 
 use crate::magics::{cell, CancelToken, GpuState, Registry};
 use crate::server::{accept, send, spawn_heartbeat, spawn_iopub, Channels, Iopub};
