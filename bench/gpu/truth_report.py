@@ -1,0 +1,68 @@
+"""Writes the Markdown table of a `maxbatch_truth.py` run, and checks issue 13's targets on it.
+
+    python3 bench/gpu/truth_report.py bench/results/maxbatch-truth-DATE.json > ...md
+"""
+
+import json
+import statistics
+import sys
+
+
+def fmt(v, digits=1):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def main(path):
+    d = json.load(open(path))
+    print(f"# %maxbatch against the user's own training loop ({d['date'][:10]})\n")
+    print(f"Command: `{d['command'].strip()}` on {d['gpu']}, torch {d['torch']}, through a real "
+          f"gpu-python kernel and jupyter_client. The notebook caps its allocator at "
+          f"{d['cap_gib']:g} GiB; ours, the baseline and the truth all run under that cap. "
+          "`true_max`: exact bisection of the notebook's own eager loop in the same kernel, each "
+          "probe started as the user's training starts (the optimizer without state) for 3 "
+          "steps. `ok@rec` / `ok@max`: steps of that loop (of 30) at our recommendation and at "
+          "our maximum, from a fresh optimizer. Baseline: the same magic with "
+          "`--search double-bisect` (Lightning's algorithm on the same step).\n")
+    if "interrupt" in d:
+        print(f"Interrupt in the middle of a search: {json.dumps(d['interrupt'])}\n")
+    cols = ["model", "engine", "max", "rec", "true", "max/true", "ok@rec", "ok@max", "trials",
+            "s", "base trials", "base s", "time/base"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    python_rows = []
+    for r in d["rows"]:
+        if "error" in r:
+            print(f"| {r['model']} | {r['engine']} | error: {r['error'][:120]} |")
+            continue
+        if r["engine"] == "python":
+            python_rows.append(r)
+        print("| " + " | ".join([
+            r["model"], r["engine"], fmt(r.get("max_batch")), fmt(r.get("recommended")),
+            fmt(r.get("true_max")), fmt(r.get("ratio"), 3), fmt(r.get("steps_ok_at_recommended")),
+            fmt(r.get("steps_ok_at_max")), fmt(r.get("trials")), fmt(r.get("seconds")),
+            fmt(r.get("baseline_trials")), fmt(r.get("baseline_seconds")),
+            fmt(r.get("time_vs_baseline"), 2)]) + " |")
+    print()
+    if not python_rows:
+        return
+    trials = [r["trials"] for r in python_rows]
+    within = [r for r in python_rows if r.get("ratio") and 0.98 <= r["ratio"] <= 1.0]
+    ok_rec = [r for r in python_rows if r.get("steps_ok_at_recommended") == 30]
+    ok_max = [r for r in python_rows if r.get("steps_ok_at_max") == 30]
+    fast = [r for r in python_rows if (r.get("time_vs_baseline") or 9) <= 1 / 3]
+    n = len(python_rows)
+    print("Issue 13's targets on the python engine's rows (computed from the JSON):\n")
+    print(f"- `0.98 <= max/true <= 1`: {len(within)} of {n}")
+    print(f"- 30 steps at the recommendation: {len(ok_rec)} of {n}; at the maximum itself: "
+          f"{len(ok_max)} of {n}")
+    print(f"- trials: median {statistics.median(trials):g}, at most {max(trials)} "
+          "(targets 6 and 10)")
+    print(f"- time at most 1/3 of the baseline's: {len(fast)} of {n}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
