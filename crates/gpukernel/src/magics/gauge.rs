@@ -15,6 +15,10 @@ const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█']
 pub struct Gauge {
     history: Vec<Vec<f64>>,
     interval: f64,
+    /// Samples taken so far, and how many there will be (`--count`): shown so the gauge is
+    /// visibly alive even when nothing it measures changes (no driver yet, an idle card).
+    samples: u64,
+    count: Option<u64>,
 }
 
 fn sparkline(samples: &[f64]) -> String {
@@ -39,19 +43,34 @@ fn svg(samples: &[f64]) -> String {
 }
 
 impl Gauge {
-    pub fn new(interval: f64) -> Self {
+    pub fn new(interval: f64, count: Option<u64>) -> Self {
         Self {
             history: Vec::new(),
             interval,
+            samples: 0,
+            count,
+        }
+    }
+
+    /// "sample 2 of 4", or "sample 2" without a count.
+    fn progress(&self) -> String {
+        match self.count {
+            Some(n) => format!("sample {} of {n}", self.samples),
+            None => format!("sample {}", self.samples),
         }
     }
 
     /// Adds a sample and renders the gauge.
     pub fn render(&mut self, snapshot: &Result<GpuSnapshot, ProbeError>) -> Bundle {
+        self.samples += 1;
         let snapshot = match snapshot {
             Ok(s) => s,
             Err(e) => {
-                let text = format!("GPU gauge: {e}; retrying every {} s.", self.interval);
+                let text = format!(
+                    "GPU gauge: {e}; retrying every {} s ({}).",
+                    self.interval,
+                    self.progress()
+                );
                 return bundle(
                     text.clone(),
                     Some(format!("<pre>{}</pre>", html_escape(&text))),
@@ -96,7 +115,8 @@ impl Gauge {
         }
         html.push_str("</tbody></table>");
         text.push_str(&format!(
-            "(every {} s; %gpumem --stop ends it)\n",
+            "({}, every {} s; %gpumem --stop ends it)\n",
+            self.progress(),
             self.interval
         ));
         bundle(text, Some(html))
@@ -111,7 +131,7 @@ pub fn run(
     interval: f64,
     count: Option<u64>,
 ) -> bool {
-    let mut gauge = Gauge::new(interval);
+    let mut gauge = Gauge::new(interval, count);
     let display_id = format!("gpumem-watch-{}", uuid::Uuid::new_v4());
     out.emit(Output::Display {
         data: gauge.render(&gpu.snapshot()),
@@ -141,9 +161,24 @@ mod tests {
     }
 
     #[test]
+    fn every_sample_without_a_driver_says_which_it_is() {
+        let mut gauge = Gauge::new(0.5, Some(4));
+        let texts: Vec<String> = (0..4)
+            .map(|_| {
+                let data = gauge.render(&Err(ProbeError::NoDriver("libnvidia-ml".into())));
+                data.get("text/plain")
+                    .map(ToString::to_string)
+                    .unwrap_or_default()
+            })
+            .collect();
+        assert!(texts[0].contains("(sample 1 of 4)"), "{texts:?}");
+        assert!(texts[3].contains("(sample 4 of 4)"), "{texts:?}");
+    }
+
+    #[test]
     fn gauge_keeps_a_bounded_history() {
         use gpuprobe::GpuInfo;
-        let mut gauge = Gauge::new(1.0);
+        let mut gauge = Gauge::new(1.0, None);
         let snap = GpuSnapshot {
             driver_version: "1".into(),
             cuda_driver_version: None,
@@ -163,6 +198,12 @@ mod tests {
             gauge.render(&Ok(snap.clone()));
         }
         assert_eq!(gauge.history[0].len(), HISTORY);
+        let text = gauge
+            .render(&Ok(snap.clone()))
+            .get("text/plain")
+            .cloned()
+            .unwrap_or_default();
+        assert!(text.to_string().contains("sample 101,"), "{text}");
         let text = gauge.render(&Ok(snap)).get("text/plain").cloned().unwrap();
         assert!(text.as_str().unwrap().contains("50.0%"));
     }
