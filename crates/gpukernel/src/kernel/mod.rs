@@ -16,7 +16,7 @@ use crate::shell::request::{CodeAt, ExecuteRequest};
 use crate::shell::{busy, reply};
 use crate::wire::{Parent, RawMessage, Session, Signer};
 use history::History;
-use jupyter_protocol::ConnectionInfo;
+use jupyter_protocol::{CommClose, CommId, ConnectionInfo, InterruptReply, ShutdownReply};
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::mpsc;
@@ -167,7 +167,7 @@ async fn handle_control(
             kernel.interrupt();
             send(
                 socket,
-                session.reply(parent, "interrupt_reply", &json!({"status": "ok"})),
+                session.reply(parent, "interrupt_reply", &InterruptReply::default()),
             )
             .await;
         }
@@ -178,7 +178,10 @@ async fn handle_control(
                 session.reply(
                     parent,
                     "shutdown_reply",
-                    &json!({"status": "ok", "restart": restart}),
+                    &ShutdownReply {
+                        restart,
+                        ..ShutdownReply::default()
+                    },
                 ),
             )
             .await;
@@ -247,12 +250,14 @@ async fn handle_shell(
         "comm_info_request" => json!({"status": "ok", "comms": {}}),
         "comm_open" => {
             // No comm targets here: close it so the frontend does not wait (as ipykernel does).
-            let id = content.get("comm_id").cloned().unwrap_or(Value::Null);
-            kernel.iopub.send(session.iopub(
-                Some(parent),
-                "comm_close",
-                &json!({"comm_id": id, "data": {}}),
-            ));
+            let id = content.get("comm_id").and_then(Value::as_str).unwrap_or("");
+            let close = CommClose {
+                comm_id: CommId(id.to_string()),
+                data: Default::default(),
+            };
+            kernel
+                .iopub
+                .send(session.iopub(Some(parent), "comm_close", &close));
             return false;
         }
         "comm_msg" | "comm_close" => return false,
@@ -266,7 +271,10 @@ async fn handle_shell(
                 session.reply(
                     parent,
                     "shutdown_reply",
-                    &json!({"status": "ok", "restart": restart}),
+                    &ShutdownReply {
+                        restart,
+                        ..ShutdownReply::default()
+                    },
                 ),
             )
             .await;
@@ -299,7 +307,7 @@ async fn execute(kernel: &Arc<Kernel>, request: &ExecuteRequest, parent: &Parent
         kernel.iopub.send(kernel.session.iopub(
             Some(parent),
             "execute_input",
-            &json!({"code": code, "execution_count": count}),
+            &crate::shell::execute_input(code, count),
         ));
     }
     let sink = Arc::new(IopubSink::new(

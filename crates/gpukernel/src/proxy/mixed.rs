@@ -59,7 +59,7 @@ pub async fn execute(
         proxy.iopub.send(proxy.session.iopub(
             Some(parent),
             "execute_input",
-            &json!({"code": code, "execution_count": count}),
+            &crate::shell::execute_input(code, count),
         ));
     }
     let msg_id = request

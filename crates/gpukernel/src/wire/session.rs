@@ -2,7 +2,8 @@ use super::replay::{SeenSignatures, HISTORY};
 use super::{RawMessage, Signer, WireError};
 use bytes::Bytes;
 use chrono::{SecondsFormat, Utc};
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::json;
 use std::sync::{Mutex, PoisonError};
 use zeromq::ZmqMessage;
 
@@ -85,13 +86,19 @@ impl Session {
         Ok(())
     }
 
-    /// A reply on a ROUTER socket, addressed to the request's sender.
-    pub fn reply(&self, parent: &Parent, msg_type: &str, content: &Value) -> ZmqMessage {
+    /// A reply on a ROUTER socket, addressed to the request's sender. `content` is a
+    /// jupyter-protocol message type where one fits, else a JSON value.
+    pub fn reply(&self, parent: &Parent, msg_type: &str, content: &impl Serialize) -> ZmqMessage {
         self.build(parent.identities.clone(), Some(parent), msg_type, content)
     }
 
     /// An iopub message; the topic frame names the message type, as ipykernel does.
-    pub fn iopub(&self, parent: Option<&Parent>, msg_type: &str, content: &Value) -> ZmqMessage {
+    pub fn iopub(
+        &self,
+        parent: Option<&Parent>,
+        msg_type: &str,
+        content: &impl Serialize,
+    ) -> ZmqMessage {
         let topic = Bytes::from(format!("kernel.{}.{msg_type}", self.id));
         self.build(vec![topic], parent, msg_type, content)
     }
@@ -101,8 +108,13 @@ impl Session {
         identities: Vec<Bytes>,
         parent: Option<&Parent>,
         msg_type: &str,
-        content: &Value,
+        content: &impl Serialize,
     ) -> ZmqMessage {
+        // Our contents are JSON values and protocol structs: they always serialise.
+        let content = serde_json::to_vec(content).unwrap_or_else(|e| {
+            tracing::error!("{msg_type}: content not serialisable: {e}");
+            b"{}".to_vec()
+        });
         let header = json!({
             "msg_id": uuid::Uuid::new_v4().to_string(),
             "session": self.id,
@@ -120,7 +132,7 @@ impl Session {
             header,
             parent_header,
             Bytes::from_static(b"{}"),
-            Bytes::from(content.to_string()),
+            Bytes::from(content),
         )
     }
 }
