@@ -43,6 +43,29 @@ pub enum Command {
     /// GPUs) and say which one fails and what to do; starts nothing.
     #[command(after_help = exit::HELP)]
     Doctor(DoctorArgs),
+    /// Print the options tunnel will use for HOST, resolved from the ssh
+    /// config as `ssh -G` does (Host, Match, Include, tokens); starts nothing.
+    #[command(after_help = exit::HELP)]
+    Config(ConfigArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ConfigArgs {
+    /// Host alias from the ssh config (or a host name), optionally as USER@HOST.
+    pub host: String,
+
+    /// ssh config file to read instead of ~/.ssh/config and /etc/ssh/ssh_config
+    /// (`none`: no file).
+    #[arg(short = 'F', long = "config", value_name = "CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// Jump hosts, as for `tunnel up` (replaces the host's ProxyJump).
+    #[arg(short = 'J', long = "jump", value_name = "HOPS")]
+    pub jump: Option<String>,
+
+    /// Print a JSON object instead of `key value` lines.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -250,6 +273,22 @@ mod tests {
         assert!(
             Cli::try_parse_from(["tunnel", "up", "login", "--slurm", "", "--detach"]).is_err(),
             "--detach cannot apply to a job step"
+        );
+    }
+
+    #[test]
+    fn config_parses_its_options() {
+        let cli = Cli::try_parse_from(["tunnel", "config", "lab-1", "-F", "/tmp/cfg", "--json"])
+            .expect("valid command line");
+        let Command::Config(c) = cli.command else {
+            panic!("expected config");
+        };
+        assert_eq!(c.host, "lab-1");
+        assert_eq!(c.config.as_deref(), Some(std::path::Path::new("/tmp/cfg")));
+        assert!(c.json && c.jump.is_none());
+        assert!(
+            Cli::try_parse_from(["tunnel", "config"]).is_err(),
+            "HOST is required"
         );
     }
 

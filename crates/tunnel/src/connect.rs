@@ -16,7 +16,7 @@ use crate::prompt;
 
 /// Used when the ssh config sets no ConnectTimeout (ssh would wait for the
 /// kernel's TCP timeout, minutes).
-const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
+pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// Used when the ssh config sets no ServerAliveInterval: a dead link must be
 /// noticed, since the remote server is only stopped through this session, and
 /// noticed soon, since the notebook hangs until the session is restored.
@@ -25,7 +25,7 @@ const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(20);
 /// that is down for 20 s is already being redialled when it comes back (at
 /// 15 s it went unnoticed for a minute). An idle probe every 4 s costs a few
 /// bytes; a false alarm costs one reconnect to the same URL and kernels.
-const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(4);
+pub(crate) const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(4);
 /// While a TCP connect goes unanswered, start a fresh one this often (the
 /// earlier ones go on; the first to connect wins). A connect begun while the
 /// link was down only retries its SYN at 1, 3, 7, 15 s, from the source

@@ -5,6 +5,7 @@ mod auth;
 mod browser;
 mod cli;
 mod config;
+mod config_cmd;
 mod connect;
 mod doctor;
 mod exit;
@@ -87,6 +88,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Status(args) => manage::status(args)?,
         Command::Ls(args) => manage::ls(args)?,
         Command::Doctor(args) => doctor::run(args).await?,
+        Command::Config(args) => config_cmd::run(&args)?,
     }
     Ok(())
 }
@@ -98,6 +100,8 @@ fn exit_of(err: &anyhow::Error) -> Exit {
     } else if let Some(e) = err.downcast_ref::<manage::ManageError>() {
         e.exit()
     } else if let Some(e) = err.downcast_ref::<doctor::DoctorError>() {
+        e.exit()
+    } else if let Some(e) = err.downcast_ref::<config::ConfigError>() {
         e.exit()
     } else {
         Exit::Internal

@@ -809,7 +809,7 @@ struct JobContext<'a> {
     /// The login node.
     target: &'a Target,
     route: &'a [Target],
-    ssh_config: &'a ssh2_config::SshConfig,
+    ssh_config: &'a config::SshConfig,
     local: &'a LocalUser,
     login: Arc<Handle>,
 }
