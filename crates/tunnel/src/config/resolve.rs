@@ -563,6 +563,19 @@ fn finish(
         .with('n', host_arg)
         .with('p', port_text)
         .with('r', user.clone());
+    if let Some(last) = opts.jump.as_ref().and_then(|j| j.hops().last()) {
+        // ssh.c: a jump to the target itself, as the same user on the same port.
+        if last.host == host_name
+            && last.port.unwrap_or(22) == port
+            && last.user.as_deref().unwrap_or(&user) == user
+        {
+            return Err(ConfigError::Invalid {
+                option: "ProxyJump",
+                value: last.to_string(),
+                reason: format!("jumphost loop via {}", last.host),
+            });
+        }
+    }
     let proxy_jump = match &opts.jump {
         None | Some(Jump::Disabled) => None,
         Some(j) => Some(
@@ -575,6 +588,7 @@ fn finish(
         ),
     };
 
+    let server_alive_count_max = alive_count_max(opts.server_alive_count_max, &alias);
     let seconds = |v: Option<u32>| v.filter(|&s| s > 0).map(|s| Duration::from_secs(s.into()));
     Ok(Target {
         configured: opts.configured || hostname_configured,
@@ -601,9 +615,26 @@ fn finish(
         host_key_alias,
         connect_timeout: seconds(opts.connect_timeout),
         server_alive_interval: seconds(opts.server_alive_interval),
-        server_alive_count_max: opts.server_alive_count_max.unwrap_or(3) as usize,
+        server_alive_count_max,
         proxy_jump,
     })
+}
+
+/// ServerAliveCountMax as tunnel can apply it: to russh 0 means "never give
+/// up", to ssh "give up at the first silent interval"; one unanswered
+/// probe is the nearest tunnel can do.
+fn alive_count_max(configured: Option<u32>, alias: &str) -> usize {
+    match configured {
+        None => 3,
+        Some(0) => {
+            tracing::warn!(
+                "host {alias}: ServerAliveCountMax 0: tunnel gives up after one unanswered \
+                 keepalive (ssh gives up at the first silent interval)"
+            );
+            1
+        }
+        Some(n) => n as usize,
+    }
 }
 
 fn is_none(files: &[String]) -> bool {
@@ -913,6 +944,23 @@ mod tests {
     fn addresses_are_normalised() {
         let t = resolve_in(&parse("Host x\n  HostName 127.1\n"), "x", &local()).expect("resolves");
         assert_eq!(t.host_name, "127.0.0.1");
+    }
+
+    #[test]
+    fn a_jump_to_itself_is_a_loop_as_in_ssh() {
+        let cfg = parse("Host bastion\n  ProxyJump bastion\nHost other\n  ProxyJump other:2222\n");
+        let err = resolve_in(&cfg, "bastion", &local()).expect_err("loop");
+        assert!(err.to_string().contains("jumphost loop"), "{err}");
+        // Another port is another sshd: not a loop.
+        assert!(resolve_in(&cfg, "other", &local()).is_ok());
+    }
+
+    #[test]
+    fn server_alive_count_max_zero_is_one_probe() {
+        let t = resolve_in(&parse("ServerAliveCountMax 0\n"), "x", &local()).expect("resolves");
+        assert_eq!(t.server_alive_count_max, 1);
+        let t = resolve_in(&parse("ServerAliveCountMax 5\n"), "x", &local()).expect("resolves");
+        assert_eq!(t.server_alive_count_max, 5);
     }
 
     #[test]
