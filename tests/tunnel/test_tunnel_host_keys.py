@@ -6,6 +6,7 @@ import glob
 import subprocess
 import time
 
+import pytest
 import requests
 
 from tunnel_harness import EXIT, port_of, run_tunnel, token_of
@@ -133,3 +134,75 @@ def test_unknown_host_confirmed_at_the_terminal_prompt(sshd, state_dir, tunnel_b
             proc.wait()
         os.close(master)
     assert sshd.known_hosts.read_text().split() == sshd.known_hosts_line().split()
+
+
+def lab_config(sshd, match: str) -> str:
+    """Issue #15's config: `Host lab-*`, then a Match that turns host-key checking off for
+    lab-1 only; everything else (the real address, keys, known_hosts) in `Host *` below, so
+    that the Match sees the name typed and its options are the first obtained for lab-1."""
+    return (
+        f"Host lab-*\n"
+        f"    Port {sshd.port}\n"
+        f"    User {sshd.user}\n"
+        f"Match {match}\n"
+        f"    StrictHostKeyChecking no\n"
+        f"    UserKnownHostsFile /dev/null\n"
+        f"Host *\n"
+        f"    HostName {sshd.listen_host}\n"
+        f"    IdentityFile {sshd.client_key}\n"
+        f"    IdentitiesOnly yes\n"
+        f"    IdentityAgent none\n"
+        f"    UserKnownHostsFile {sshd.known_hosts}\n"
+        f"    GlobalKnownHostsFile /dev/null\n"
+        f"    StrictHostKeyChecking yes\n"
+        f"    PasswordAuthentication no\n"
+        f"    ConnectTimeout 10\n"
+    )
+
+
+def ssh_true(config, host):
+    return subprocess.run(["ssh", "-F", str(config), "-o", "BatchMode=yes", host, "true"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("match", ["host lab-1", "originalhost lab-1,!lab-2"])
+def test_a_match_for_one_host_does_not_weaken_its_siblings(
+    match, sshd, state_dir, tunnel_bin, jupyter_prefix, tunnel, tmp_path
+):
+    """With a changed host key, lab-2 is refused, by ssh and by tunnel alike: the Match that
+    disables checking applies to lab-1 only (it used to be merged into `Host lab-*`)."""
+    config = tmp_path / "ssh_config"
+    config.write_text(lab_config(sshd, match))
+    known_line = sshd.known_hosts_line()
+    sshd.rotate_host_key()
+    before = runtime_dirs()
+
+    r = run_tunnel(tunnel_bin, state_dir, "config", "-F", str(config), "lab-2")
+    assert r.returncode == 0, r.stderr
+    assert "stricthostkeychecking true\n" in r.stdout
+    assert f"userknownhostsfile {sshd.known_hosts}\n" in r.stdout
+
+    r = run_tunnel(tunnel_bin, state_dir, "up", "-F", str(config), "lab-2", "--no-browser",
+                   "--env", str(jupyter_prefix))
+    assert r.returncode == EXIT["host_key_changed"], r.stderr
+    assert "HOST KEY CHANGED" in r.stderr and known_line in r.stderr
+    assert r.stdout == ""
+    time.sleep(0.3)
+    assert "Accepted publickey" not in sshd.log.read_text()
+    assert runtime_dirs() == before
+    assert sshd.known_hosts.read_text().strip() == known_line
+
+    # OpenSSH itself: refuses lab-2 the same way, and lets lab-1 in.
+    s = ssh_true(config, "lab-2")
+    assert s.returncode == 255 and "REMOTE HOST IDENTIFICATION HAS CHANGED" in s.stderr, s.stderr
+    s = ssh_true(config, "lab-1")
+    assert s.returncode == 0, s.stderr
+
+    # And so does tunnel: lab-1 (no checking, /dev/null as known_hosts) comes up.
+    t = tunnel("--app", "server", config=config, host="lab-1")
+    url = t.wait_url()
+    r = requests.get(f"http://127.0.0.1:{port_of(url)}/api/status",
+                     headers={"Authorization": f"token {token_of(url)}"}, timeout=30)
+    assert r.status_code == 200
+    assert t.interrupt_and_wait() == EXIT["ok"], t.stderr
+    assert sshd.known_hosts.read_text().strip() == known_line
