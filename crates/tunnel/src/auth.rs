@@ -210,15 +210,15 @@ async fn try_agent(ctx: &mut Ctx<'_>, offered: &mut Vec<PublicKey>) -> Result<St
             return Ok(Step::Continue);
         }
     };
-    // With IdentitiesOnly, only agent keys matching a configured file are used.
-    let allowed: Option<Vec<PublicKey>> =
-        (ctx.target.identities_only && ctx.target.identity_files_explicit).then(|| {
-            ctx.target
-                .identity_files
-                .iter()
-                .filter_map(|f| public_key_of(f))
-                .collect()
-        });
+    // With IdentitiesOnly, only agent keys matching an identity file are used:
+    // the configured ones, or OpenSSH's default files when none is configured.
+    let allowed: Option<Vec<PublicKey>> = ctx.target.identities_only.then(|| {
+        ctx.target
+            .identity_files
+            .iter()
+            .filter_map(|f| public_key_of(f))
+            .collect()
+    });
     let mut tried = 0usize;
     for id in identities {
         let AgentIdentity::PublicKey { key, comment } = id else {
