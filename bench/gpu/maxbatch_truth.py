@@ -303,8 +303,9 @@ def main() -> int:
         outputs, err = run(kc, f"print(__import__('json').dumps({expr}))")
         if err:
             raise RuntimeError(err)
-        return json.loads("".join(o["content"]["text"] for o in outputs
-                                  if o["msg_type"] == "stream"))
+        printed = "".join(o["content"]["text"] for o in outputs
+                          if o["msg_type"] == "stream" and o["content"]["name"] == "stdout")
+        return json.loads(printed.strip().splitlines()[-1])
 
     def magic(kc, args):
         t0 = time.time()

@@ -152,6 +152,11 @@ impl CallError {
         match self {
             CallError::Refused(why) => MagicError::usage(format!("%maxbatch: {why}")),
             CallError::Eval(EvalError::Cancelled) => MagicError::interrupted(),
+            // The interrupt reached the Python kernel outside a trial's own handler (while a
+            // state was put back, say): still the user's interrupt, not a failure of ours.
+            CallError::Eval(EvalError::Raised { ename, .. }) if ename == "KeyboardInterrupt" => {
+                MagicError::interrupted()
+            }
             other => MagicError::new("MaxBatchError", other.to_string()),
         }
     }
@@ -666,6 +671,20 @@ fn notes(prepared: &Prepared) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_interrupt_raised_in_the_python_kernel_is_the_users_interrupt() {
+        let raised = CallError::Eval(EvalError::Raised {
+            ename: "KeyboardInterrupt".into(),
+            evalue: String::new(),
+        });
+        assert_eq!(raised.into_magic().ename, "KeyboardInterrupt");
+        let other = CallError::Eval(EvalError::Raised {
+            ename: "RuntimeError".into(),
+            evalue: "boom".into(),
+        });
+        assert_eq!(other.into_magic().ename, "MaxBatchError");
+    }
 
     fn reply(text: &str) -> TrialReply {
         serde_json::from_str(text).expect("a trial reply")
