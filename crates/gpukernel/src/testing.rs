@@ -4,7 +4,7 @@
 
 use crate::wire::{RawMessage, Session, Signer};
 use bytes::Bytes;
-use jupyter_protocol::{ConnectionInfo, Transport};
+use jupyter_protocol::ConnectionInfo;
 use serde_json::{json, Value};
 use std::time::Duration;
 use tokio::time::timeout;
@@ -13,20 +13,9 @@ use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage
 pub const KEY: &str = "test-key";
 const WAIT: Duration = Duration::from_secs(10);
 
-/// A connection file on ipc sockets under `dir`.
+/// A connection on ipc sockets under `dir`, with the tests' key.
 pub fn connection(dir: &std::path::Path) -> ConnectionInfo {
-    ConnectionInfo {
-        ip: dir.join("k").display().to_string(),
-        transport: Transport::IPC,
-        shell_port: 1,
-        iopub_port: 2,
-        stdin_port: 3,
-        control_port: 4,
-        hb_port: 5,
-        key: KEY.into(),
-        signature_scheme: "hmac-sha256".into(),
-        kernel_name: None,
-    }
+    crate::server::ipc_connection(dir, KEY, "hmac-sha256")
 }
 
 /// One message as the frontend sees it.
@@ -55,17 +44,6 @@ pub struct TestFrontend {
     pub control: DealerSocket,
     pub iopub: SubSocket,
     next_id: u64,
-}
-
-async fn wait_bound(endpoint: &str) {
-    let path = endpoint.trim_start_matches("ipc://");
-    for _ in 0..2000 {
-        if tokio::net::UnixStream::connect(path).await.is_ok() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("the kernel did not bind {endpoint}");
 }
 
 impl TestFrontend {
@@ -180,6 +158,8 @@ impl TestFrontend {
 }
 
 async fn connect<S: Socket>(socket: &mut S, endpoint: &str) {
-    wait_bound(endpoint).await;
+    timeout(WAIT, crate::server::wait_bound(endpoint))
+        .await
+        .unwrap_or_else(|_| panic!("the kernel did not bind {endpoint}"));
     socket.connect(endpoint).await.expect("connect");
 }

@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
-use jupyter_protocol::{ConnectionInfo, Transport};
+use jupyter_protocol::ConnectionInfo;
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -31,23 +31,6 @@ pub struct ChildSockets {
     pub iopub: SubSocket,
 }
 
-/// The child's connection: ipc sockets `<dir>/k-1` .. `k-5` (with the ipc transport a port is
-/// only the suffix of a socket path, ipykernel's `<ip>-<port>`), and our key.
-fn child_connection(dir: &Path, key: &str, scheme: &str) -> ConnectionInfo {
-    ConnectionInfo {
-        ip: dir.join("k").display().to_string(),
-        transport: Transport::IPC,
-        shell_port: 1,
-        iopub_port: 2,
-        stdin_port: 3,
-        control_port: 4,
-        hb_port: 5,
-        key: key.to_string(),
-        signature_scheme: scheme.to_string(),
-        kernel_name: None,
-    }
-}
-
 /// The private directory the child lives in: mode 0700, so no other user of the machine can
 /// reach its sockets (ipc, not tcp: nothing listens on loopback) or read its key. Under the
 /// temp dir because a Unix socket path must stay short (108 bytes).
@@ -74,18 +57,8 @@ fn write_connection_file(dir: &Path, info: &ConnectionInfo) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Waits until the child has bound `endpoint` (`ipc://PATH`). zeromq's own connect retries
-/// with exponential backoff (50 ms, 100 ms, ...), which would add up to a few hundred ms to
-/// every kernel start.
-async fn wait_listening(endpoint: &str) {
-    let path = endpoint.trim_start_matches("ipc://");
-    while tokio::net::UnixStream::connect(path).await.is_err() {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 async fn connect<S: Socket>(mut socket: S, endpoint: String) -> Result<S> {
-    wait_listening(&endpoint).await;
+    crate::server::wait_bound(&endpoint).await;
     socket
         .connect(&endpoint)
         .await
@@ -136,7 +109,7 @@ async fn start_once(
         return Err(anyhow::anyhow!("no child kernel command given").into());
     };
     let dir = private_dir()?;
-    let info = child_connection(dir.path(), key, scheme);
+    let info = crate::server::ipc_connection(dir.path(), key, scheme);
     let connection_file = write_connection_file(dir.path(), &info)?;
     let file_arg = connection_file.display().to_string();
     let args: Vec<String> = argv[1..]

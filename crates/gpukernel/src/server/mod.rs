@@ -3,10 +3,12 @@
 
 mod heartbeat;
 mod iopub;
+mod ipc;
 mod socket;
 
 pub use heartbeat::spawn_heartbeat;
 pub use iopub::{spawn_iopub, Iopub};
+pub use ipc::{ipc_connection, wait_bound};
 pub use socket::{accept, send};
 
 use jupyter_protocol::ConnectionInfo;
