@@ -655,38 +655,30 @@ fn refuse_unhonourable(opts: &Options, alias: &str) -> Result<(), ConfigError> {
             reason: reason.to_string(),
         }
     };
-    if let Some(c) = opts
-        .proxy_command
-        .as_ref()
-        .filter(|(c, _)| !c.eq_ignore_ascii_case("none"))
-    {
-        return Err(refuse(
+    let refused = [
+        (
+            &opts.proxy_command,
             "ProxyCommand",
-            c,
             "tunnel does not support ProxyCommand; use ProxyJump (or -J) for jump hosts",
-        ));
-    }
-    if let Some(c) = opts
-        .known_hosts_command
-        .as_ref()
-        .filter(|(c, _)| !c.eq_ignore_ascii_case("none"))
-    {
-        return Err(refuse(
+        ),
+        (
+            &opts.known_hosts_command,
             "KnownHostsCommand",
-            c,
             "tunnel does not support KnownHostsCommand (it reads only known_hosts files)",
-        ));
-    }
-    if let Some(r) = opts
-        .revoked_host_keys
-        .as_ref()
-        .filter(|(r, _)| !r.eq_ignore_ascii_case("none"))
-    {
-        return Err(refuse(
+        ),
+        (
+            &opts.revoked_host_keys,
             "RevokedHostKeys",
-            r,
             "tunnel does not check revoked host keys, so it will not connect where ssh would refuse a revoked key",
-        ));
+        ),
+    ];
+    for (value, option, reason) in refused {
+        if let Some(set) = value
+            .as_ref()
+            .filter(|(v, _)| !v.eq_ignore_ascii_case("none"))
+        {
+            return Err(refuse(option, set, reason));
+        }
     }
     Ok(())
 }
