@@ -33,7 +33,11 @@ struct Held {
 }
 
 fn surveys() -> Vec<(PathBuf, Survey)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/results");
+    // At run time, not `env!`: a test binary cargo reuses from a checkout at another path
+    // (CI's and a developer's share the target cache) would look in that checkout.
+    let manifest =
+        std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").into());
+    let dir = PathBuf::from(manifest).join("../../bench/results");
     let mut found = Vec::new();
     for entry in std::fs::read_dir(&dir).expect("bench/results") {
         let path = entry.expect("a directory entry").path();
