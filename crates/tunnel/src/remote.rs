@@ -3,7 +3,9 @@
 //! The exec command is a constant one-liner that reads the real script from
 //! the first stdin line, so nothing but that line ever shows in `ps`, and it
 //! works whatever the user's login shell is (csh and fish included). The
-//! token is the second stdin line: it never appears on a command line. Later
+//! token is the second stdin line: it never appears on a command line or in
+//! an environment (the bootstrap writes it to a 0600 file in the private
+//! runtime dir, which Jupyter reads through `JUPYTER_TOKEN_FILE`). Later
 //! lines are commands ("stop"); EOF means the client is gone, and the remote
 //! stops Jupyter after the linger time.
 
@@ -460,6 +462,44 @@ mod tests {
                 s.init.as_deref().unwrap_or_default()
             )
         );
+    }
+
+    /// The real bootstrap, run by a real /bin/sh: the token ends up only in a
+    /// 0600 file of the runtime dir, in no environment and no argv.
+    #[test]
+    fn bootstrap_puts_the_token_in_a_private_file_only() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let token = "f00dfeedf00dfeedf00dfeedf00dfeed";
+        // Stage 2 stand-in: report what Jupyter's launcher would see.
+        let main = r#"stat -c '%a %s' "$TUNNEL_RT/token"; cat "$TUNNEL_RT/token"; echo
+env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$TUNNEL_RT""#;
+        let line = stage1_with(&spec(), main);
+        let mut child = Command::new("/bin/sh")
+            .args(["-c", STDIN_SCRIPT])
+            .env("TMPDIR", tmp.path())
+            .env_remove("XDG_RUNTIME_DIR")
+            .env("JUPYTER_TOKEN", "from-a-profile")
+            .env("SHELL", "/bin/sh")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("sh runs");
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin.write_all(line.as_bytes()).expect("write");
+        stdin
+            .write_all(format!("{token}\n").as_bytes())
+            .expect("write");
+        drop(stdin);
+        let out = child.wait_with_output().expect("sh finishes");
+        let text = String::from_utf8(out.stdout).expect("utf8");
+        let lines: Vec<&str> = text.lines().collect();
+        let n = lines.len();
+        assert!(n >= 4, "{text}");
+        // 0600, exactly the token (no newline: Jupyter reads the file whole).
+        assert_eq!(lines[n - 4], format!("600 {}", token.len()), "{text}");
+        assert_eq!(lines[n - 3], token, "{text}");
+        assert_eq!(lines[n - 2], "0", "the token is in the environment: {text}");
+        assert_eq!(lines[n - 1], "unset", "{text}");
     }
 
     #[test]

@@ -4,8 +4,13 @@
 # sshd shows in `ps` stays short and constant); the remaining stdin lines are
 # the token, then the client's commands ("stop"). EOF on stdin means the
 # client is gone. The client prepends TUNNEL_* assignments to this text.
-IFS= read -r JUPYTER_TOKEN || exit 90
-export JUPYTER_TOKEN
+#
+# The token stays in this shell's (unexported) variable only until it is in
+# a 0600 file of the private runtime dir: Jupyter reads it through
+# JUPYTER_TOKEN_FILE, so no environment (Jupyter's, its kernels', its
+# terminals') and no command line ever holds it. printf is a builtin: no exec.
+IFS= read -r tunnel_token || exit 90
+unset JUPYTER_TOKEN
 umask 077
 tunnel_say() { printf 'tunnel-remote: %s\n' "$*"; }
 tunnel_base=${XDG_RUNTIME_DIR:-}
@@ -17,6 +22,14 @@ TUNNEL_RT=$(mktemp -d "$tunnel_base/tunnel-jupyter.XXXXXXXX" 2>/dev/null) || {
   exit 91
 }
 chmod 700 "$TUNNEL_RT"
+if [ -n "$tunnel_token" ]; then
+  printf '%s' "$tunnel_token" >"$TUNNEL_RT/token" || {
+    tunnel_say "error setup cannot write the token file in $TUNNEL_RT"
+    rm -rf "$TUNNEL_RT"
+    exit 91
+  }
+fi
+unset tunnel_token
 tunnel_say "runtime $TUNNEL_RT"
 # In a SLURM job step (tunnel up --slurm), the job's batch script holds the
 # allocation for as long as this process lives (the execs below keep its pid):

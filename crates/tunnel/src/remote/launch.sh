@@ -26,9 +26,13 @@ unset TUNNEL_INIT TUNNEL_INIT_STATUS TUNNEL_ENV TUNNEL_DIR
 # (client gone or detached) while Jupyter keeps running. Only Jupyter (and so
 # its kernels) gets JUPYTER_RUNTIME_DIR: helpers such as the watchdog must not
 # look like part of the server.
+# The token comes from its 0600 file (bootstrap.sh); a JUPYTER_TOKEN from a
+# login profile would win over the file and end up in every kernel's
+# environment.
+unset JUPYTER_TOKEN
 (
   # shellcheck disable=SC2086 # $allow_root is empty or one word
-  JUPYTER_RUNTIME_DIR=$rt jupyter "$TUNNEL_APP" --no-browser --ip=127.0.0.1 --port="$TUNNEL_PORT" \
+  JUPYTER_RUNTIME_DIR=$rt JUPYTER_TOKEN_FILE=$rt/token jupyter "$TUNNEL_APP" --no-browser --ip=127.0.0.1 --port="$TUNNEL_PORT" \
     --ServerApp.port_retries=50 $allow_root </dev/null >>"$rt/jupyter.log" 2>&1 &
   jp=$!
   printf '%s\n' "$jp" >"$rt/jupyter.pid"
@@ -68,6 +72,18 @@ while :; do
   fi
   nap 0.02
 done
+# Jupyter has read the token file by the time it writes its info file (which
+# holds the token, 0600): drop our copy. A Jupyter too old for
+# JUPYTER_TOKEN_FILE made up its own token, which the client cannot know.
+tok=
+IFS= read -r tok <"$rt/token"
+rm -f "$rt/token"
+case $(cat "$info" 2>/dev/null) in
+  *"\"token\": \"$tok\""*) ;;
+  *) fail_log=$rt/jupyter.log
+     fail jupyter-exited "jupyter $TUNNEL_APP ignored JUPYTER_TOKEN_FILE (jupyter_server is too old; upgrade it: pip install -U jupyter_server)" ;;
+esac
+tok=
 # A reattaching client reads the port from here instead of the info file.
 printf '%s %s\n' "$port" "${base:-/}" >"$rt/ready"
 start_watchdog
