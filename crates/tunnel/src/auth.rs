@@ -16,6 +16,7 @@ use crate::config::{AgentSocket, Target};
 use crate::connect::Handle;
 use crate::exit::{Exit, HasExit};
 use crate::prompt;
+use crate::sanitize;
 
 const PASSWORD_TRIES: usize = 3;
 
@@ -386,19 +387,22 @@ async fn try_keyboard_interactive(ctx: &mut Ctx<'_>) -> Result<Step, AuthError> 
                     instructions,
                     prompts,
                 } => {
+                    // All three are the server's text: shown with terminal
+                    // controls escaped, as ssh shows them.
                     for text in [&name, &instructions] {
                         if !text.is_empty() {
-                            eprintln!("{}", text.trim_end());
+                            eprintln!("{}", sanitize::for_terminal(text.trim_end()));
                         }
                     }
                     let mut answers = Vec::with_capacity(prompts.len());
                     for p in prompts {
+                        let question = sanitize::for_terminal(&p.prompt);
                         let answer = if p.echo {
-                            prompt::ask(p.prompt)
+                            prompt::ask(question)
                                 .await
                                 .map(|a| a.trim_end_matches(['\r', '\n']).to_string())
                         } else {
-                            prompt::secret(p.prompt).await
+                            prompt::secret(question).await
                         };
                         let Some(answer) = answer else {
                             ctx.attempts

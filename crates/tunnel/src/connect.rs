@@ -314,7 +314,8 @@ impl client::Handler for Client {
         banner: &str,
         _session: &mut client::Session,
     ) -> Result<(), Self::Error> {
-        eprint!("{banner}");
+        // The server's text, not ours: escape what a terminal would obey.
+        eprint!("{}", crate::sanitize::for_terminal(banner));
         Ok(())
     }
 }

@@ -16,6 +16,7 @@ mod probe;
 mod prompt;
 mod remote;
 mod route;
+mod sanitize;
 mod signals;
 mod slurm;
 mod state;
@@ -62,8 +63,12 @@ where
                 meta.target()
             )?,
         }
-        ctx.field_format().format_fields(w.by_ref(), event)?;
-        writeln!(w)
+        // Log lines carry text from the remote (srun's and sbatch's words,
+        // chatty profiles at debug level): no escape sequence gets through.
+        let mut text = String::new();
+        ctx.field_format()
+            .format_fields(Writer::new(&mut text), event)?;
+        writeln!(w, "{}", sanitize::for_terminal(&text))
     }
 }
 
@@ -130,7 +135,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => Exit::Ok.into(),
         Err(e) => {
-            eprintln!("tunnel: error: {e}");
+            // Errors quote the remote (Jupyter's log tail, srun's stderr).
+            eprintln!("tunnel: error: {}", sanitize::for_terminal(&e.to_string()));
             exit_of(&e).into()
         }
     }
