@@ -5,9 +5,11 @@ that defines models and trains them in its own eager loop (`train(name, batch, s
 the GPU, zero_grad, forward under the row's autocast, cross-entropy, backward through a
 GradScaler for fp16, AdamW step). Per row:
 - `%maxbatch ... --json` (ours: trials, seconds, max, recommendation);
-- the same magic with `--search double-bisect` (Lightning's algorithm on the same step: the
-  baseline's trials and seconds);
-- the true maximum: an exact bisection of the notebook's own loop (2 steps per probe) in the
+- the same magic with `--search double-bisect` (Lightning's algorithm with its defaults on the
+  same step: from 2, doubling, bisecting to the exact maximum; the baseline's trials and
+  seconds);
+- the true maximum: an exact bisection of the notebook's own loop (3 steps per probe, from an
+  optimizer without state, as the loop starts) in the
   same kernel, from a bracket it verifies itself (a batch that fits, one that does not);
 - 30 steps of the notebook's loop at the recommendation;
 - for some rows the libtorch engine (`--engine libtorch`) on the same model and loss;
@@ -319,7 +321,7 @@ def main() -> int:
                 "wall_seconds": time.time() - t0, "loss": v["assumptions"]["loss"],
                 "precision": v["assumptions"]["precision"],
                 "optimizer": v["assumptions"]["optimizer"], "limit": v["limit_bytes"],
-                "held": v.get("held"), "trial_list": [[t["batch"], t["outcome"]["result"],
+                "held": v.get("held"), "trial_ms": v.get("trial_ms"), "trial_list": [[t["batch"], t["outcome"]["result"],
                                                         t["outcome"].get("peak"),
                                                         t["outcome"].get("reserved")]
                                                        for t in v["trials"]]}

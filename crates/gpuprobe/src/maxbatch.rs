@@ -2,8 +2,8 @@
 //! sizes, their peak memory read from the caching allocator, driven by [`crate::search`].
 //!
 //! Every trial starts from the same state: a freshly built model with no gradients or optimizer
-//! state, an emptied cache and reset peak counters. It then runs two steps, so the second sees
-//! the gradients, optimizer state and split blocks the first left behind, as every later
+//! state, an emptied cache and reset peak counters. It then runs three steps, so the later ones
+//! see the gradients, optimizer state and split blocks the first left behind, as every later
 //! training step does. An OOM is recognised by the allocator's own `num_ooms` counter going
 //! up, not by the error's text.
 //!
@@ -317,7 +317,8 @@ fn ooms(device: usize) -> i64 {
 /// Steps per search trial: the second runs on the cache the first left behind (gradients
 /// and optimizer state allocated, blocks split), which is what every later training step
 /// sees. A single clean step underestimates it: a batch found that way can OOM at step 2.
-const STEPS_PER_TRIAL: usize = 2;
+/// And a third, as the python engine runs (some models' third step needs more).
+const STEPS_PER_TRIAL: usize = 3;
 
 /// What one trial measured.
 struct TrialRun {
@@ -639,7 +640,7 @@ pub fn run(
         Ok(run.outcome)
     };
     let result = if request.baseline_search {
-        search::double_then_bisect(&config, 2, probe)
+        search::lightning(&config, probe)
     } else {
         search::search(&config, probe)
     };

@@ -308,7 +308,7 @@ fn findings(
             step: if args.inference {
                 format!("forward of {source} without gradients")
             } else {
-                format!("forward, loss, backward and optimizer step of {source}, 2 steps per trial")
+                format!("forward, loss, backward and optimizer step of {source}, 3 steps per trial")
             },
             loss: report.loss.map(|l| l.to_string()),
             precision,

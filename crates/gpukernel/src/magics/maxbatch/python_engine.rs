@@ -20,8 +20,10 @@ const SOURCE: &str = include_str!("trials.py");
 const KEY: &str = "_gpukernel_maxbatch";
 
 /// Steps per trial: the second runs with the optimizer state the first allocated and the
-/// gradients it left, as every later training step does.
-const STEPS_PER_TRIAL: u32 = 2;
+/// gradients it left, as every later training step does; a third, because some models' third
+/// step from a fresh optimizer needs more than the second (a UNet measured on an H200:
+/// maxbatch-truth-2026-12-03). Lightning's finder also runs 3.
+const STEPS_PER_TRIAL: u32 = 3;
 
 /// Bound on the calls that are not trials (prepare, close): they copy the state to or from
 /// host memory, seconds for the largest models.
@@ -317,7 +319,7 @@ pub(super) fn run(
     };
     let result = match args.search {
         SearchKind::Fit => search::search(&config, probe),
-        SearchKind::DoubleBisect => search::double_then_bisect(&config, 2, probe),
+        SearchKind::DoubleBisect => search::lightning(&config, probe),
     };
     match &result.stopped {
         Some(Stop::Cancelled) => return Err(MagicError::interrupted()),
