@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use russh::client;
-use russh::keys::ssh_key::PublicKey;
+use russh::keys::ssh_key::{Certificate, PublicKey};
 use russh::keys::{Algorithm, PublicKeyOrCertificate};
 use tokio::net::TcpStream;
 
@@ -136,8 +136,32 @@ pub enum HostKeyError {
         fingerprint: String,
         reason: String,
     },
-    #[error("{name} presented a host certificate; host certificates are not supported yet")]
-    Certificate { name: String },
+    #[error(
+        "{name} presented a host certificate that known_hosts does not vouch for: {reason}.\n  \
+         trusted for this host: {authorities}\n\
+         Refusing to connect. If the server's certificate was re-issued, ask its admin which \
+         authority signs it now and update the @cert-authority line."
+    )]
+    Certificate {
+        name: String,
+        reason: String,
+        authorities: String,
+    },
+    #[error(
+        "host {name} is not known: it offered a plain {key_type} key {fingerprint}, but \
+         {at} says its keys are certified by an authority (@cert-authority):\n  {line}\n\
+         A plain key for such a host is not recorded on first use (--accept-new, \
+         StrictHostKeyChecking accept-new): an impostor would offer exactly this. Ask the \
+         server's admin whether its HostCertificate is missing; if the fingerprint is right, \
+         add the key to known_hosts yourself ('{name} <key>') and retry."
+    )]
+    PlainKeyForCertifiedHost {
+        name: String,
+        key_type: String,
+        fingerprint: String,
+        at: Location,
+        line: String,
+    },
     #[error(transparent)]
     KnownHosts(#[from] KnownHostsError),
 }
@@ -146,7 +170,9 @@ impl HasExit for HostKeyError {
     fn exit(&self) -> Exit {
         match self {
             HostKeyError::Changed { .. } | HostKeyError::Revoked { .. } => Exit::HostKeyChanged,
-            HostKeyError::Unknown { .. } | HostKeyError::Certificate { .. } => Exit::HostKeyUnknown,
+            HostKeyError::Unknown { .. }
+            | HostKeyError::Certificate { .. }
+            | HostKeyError::PlainKeyForCertifiedHost { .. } => Exit::HostKeyUnknown,
             HostKeyError::KnownHosts(_) => Exit::Config,
         }
     }
@@ -158,6 +184,9 @@ pub struct HostKeyPolicy {
     pub known_hosts: KnownHosts,
     /// `host` or `[host]:port`, after HostKeyAlias.
     pub name: String,
+    /// The name a host certificate must be issued for: HostKeyAlias, else
+    /// HostName (without the port), as OpenSSH checks it.
+    pub principal: String,
     pub strict: StrictHostKeyChecking,
     pub hash_new_entries: bool,
 }
@@ -178,6 +207,11 @@ impl HostKeyPolicy {
                 global_files: target.global_known_hosts.clone(),
             },
             name: target.known_hosts_name(),
+            principal: target
+                .host_key_alias
+                .clone()
+                .unwrap_or_else(|| target.host_name.clone())
+                .to_ascii_lowercase(),
             strict,
             hash_new_entries: target.hash_known_hosts,
         }
@@ -219,6 +253,11 @@ impl HostKeyPolicy {
                 at,
             }),
             Lookup::Unknown => {
+                if self.strict == StrictHostKeyChecking::AcceptNew {
+                    if let Some(refusal) = self.refusal_if_certified(&key_type, &fingerprint)? {
+                        return Err(refusal);
+                    }
+                }
                 let accept = match self.strict {
                     StrictHostKeyChecking::AcceptNew | StrictHostKeyChecking::No => true,
                     StrictHostKeyChecking::Yes => {
@@ -275,6 +314,80 @@ impl HostKeyPolicy {
     }
 }
 
+impl HostKeyPolicy {
+    /// A host certificate: checked against the `@cert-authority` lines for
+    /// this host. Where none covers it, its key is checked as a plain key,
+    /// as OpenSSH does ("No matching CA found. Retry with plain key").
+    async fn verify_certificate(&self, cert: &Certificate) -> Result<(), HostKeyError> {
+        let kh = &self.known_hosts;
+        let authorities = kh.authorities_for(&self.name)?;
+        let key = PublicKey::new(cert.public_key().clone(), "");
+        if authorities.is_empty() {
+            tracing::debug!(
+                "no @cert-authority for {}: checking the certified key",
+                self.name
+            );
+            return self.verify(&key).await;
+        }
+        let signer = PublicKey::new(cert.signature_key().clone(), "");
+        for revoked in [&key, &signer] {
+            if let Some(at) = kh.revoked(revoked)? {
+                return Err(HostKeyError::Revoked {
+                    name: self.name.clone(),
+                    key_type: known_hosts::key_type(revoked),
+                    fingerprint: known_hosts::fingerprint(revoked),
+                    at,
+                });
+            }
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        match known_hosts::check_certificate(cert, &self.principal, &authorities, now) {
+            Ok(at) => {
+                tracing::debug!(
+                    "host certificate {} (key id {:?}) signed by the authority at {at}",
+                    known_hosts::fingerprint(&key),
+                    cert.key_id()
+                );
+                Ok(())
+            }
+            Err(reason) => Err(HostKeyError::Certificate {
+                name: self.name.clone(),
+                reason,
+                authorities: authorities
+                    .iter()
+                    .map(|a| format!("{} ({})", known_hosts::fingerprint(&a.key), a.at))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            }),
+        }
+    }
+
+    /// On first use, a plain key is not recorded for a host whose keys an
+    /// authority certifies: that is what a man in the middle without the
+    /// authority's signature would offer.
+    fn refusal_if_certified(
+        &self,
+        key_type: &str,
+        fingerprint: &str,
+    ) -> Result<Option<HostKeyError>, KnownHostsError> {
+        let ca = self
+            .known_hosts
+            .authorities_for(&self.name)?
+            .into_iter()
+            .next();
+        Ok(ca.map(|ca| HostKeyError::PlainKeyForCertifiedHost {
+            name: self.name.clone(),
+            key_type: key_type.to_string(),
+            fingerprint: fingerprint.to_string(),
+            line: known_hosts::line_text(&ca.at).unwrap_or_default(),
+            at: ca.at,
+        }))
+    }
+}
+
 /// The russh event handler: checks the host key and shows banners.
 pub struct Client {
     policy: HostKeyPolicy,
@@ -294,9 +407,7 @@ impl client::Handler for Client {
     ) -> Result<bool, Self::Error> {
         let result = match key {
             PublicKeyOrCertificate::PublicKey { key, .. } => self.policy.verify(key).await,
-            PublicKeyOrCertificate::Certificate(_) => Err(HostKeyError::Certificate {
-                name: self.policy.name.clone(),
-            }),
+            PublicKeyOrCertificate::Certificate(cert) => self.policy.verify_certificate(cert).await,
         };
         match result {
             Ok(()) => Ok(true),
@@ -348,6 +459,16 @@ fn ssh_config(target: &Target, policy: &HostKeyPolicy) -> client::Config {
             .collect();
         keys.extend(preferred.key.iter().filter(|a| !same_family(a)).cloned());
         preferred.key = keys.into();
+    }
+    // Ask for a host certificate only where an authority could vouch for
+    // one; elsewhere a certificate would only be checked as its plain key.
+    if !policy
+        .known_hosts
+        .authorities_for(&policy.name)
+        .unwrap_or_default()
+        .is_empty()
+    {
+        preferred.host_key_certificates = preferred.key.clone();
     }
     client::Config {
         preferred,

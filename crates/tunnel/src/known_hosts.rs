@@ -1,5 +1,6 @@
 //! OpenSSH known_hosts files: lookup (plain, wildcard, negated and hashed
-//! entries, `[host]:port`, `@revoked`) and recording of accepted keys.
+//! entries, `[host]:port`, `@revoked`), host certificates checked against
+//! `@cert-authority` lines, and recording of accepted keys.
 //!
 //! russh ships a checker, but it reads only `~/.ssh/known_hosts` and exact
 //! names; ssh users rely on `UserKnownHostsFile`, patterns and the global file.
@@ -12,7 +13,8 @@ use std::path::PathBuf;
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
 use hmac::{Hmac, Mac};
-use russh::keys::ssh_key::PublicKey;
+use russh::keys::ssh_key::certificate::CertType;
+use russh::keys::ssh_key::{Certificate, PublicKey};
 use russh::keys::{Algorithm, HashAlg};
 use sha1::Sha1;
 
@@ -142,6 +144,31 @@ impl KnownHosts {
         })
     }
 
+    /// The `@cert-authority` lines whose host patterns cover `name` (`host`
+    /// or `[host]:port`, as for plain keys): the authorities trusted to sign
+    /// its host certificates.
+    pub fn authorities_for(&self, name: &str) -> Result<Vec<Authority>, KnownHostsError> {
+        let name = name.to_ascii_lowercase();
+        Ok(self
+            .entries()?
+            .into_iter()
+            .filter(|e| e.marker == Marker::CertAuthority && host_matches(&name, &e.hosts))
+            .map(|e| Authority {
+                key: e.key,
+                at: e.at,
+            })
+            .collect())
+    }
+
+    /// The `@revoked` line for `key`, if any.
+    pub fn revoked(&self, key: &PublicKey) -> Result<Option<Location>, KnownHostsError> {
+        Ok(self
+            .entries()?
+            .into_iter()
+            .find(|e| e.marker == Marker::Revoked && e.key.key_data() == key.key_data())
+            .map(|e| e.at))
+    }
+
     /// Algorithms of the keys recorded for `name`, so the handshake can ask
     /// for a key type we can verify (as OpenSSH orders HostKeyAlgorithms).
     pub fn algorithms_for(&self, name: &str) -> Vec<Algorithm> {
@@ -211,6 +238,86 @@ impl KnownHosts {
         writeln!(file, "{prefix}{host_field} {}", key_text.trim()).map_err(werr)?;
         Ok(path.clone())
     }
+}
+
+/// A certificate authority for some hosts, from a `@cert-authority` line.
+#[derive(Debug, Clone)]
+pub struct Authority {
+    pub key: PublicKey,
+    pub at: Location,
+}
+
+/// Check a host certificate as OpenSSH's `check_host_cert` does: signed by
+/// one of `authorities`, a host (not user) certificate, valid at `now`
+/// (seconds since the epoch), `principal` among its principals (an empty
+/// list is valid for any host), and no critical option (none is defined
+/// for host certificates). The authority's line, or why not.
+pub fn check_certificate(
+    cert: &Certificate,
+    principal: &str,
+    authorities: &[Authority],
+    now: u64,
+) -> Result<Location, String> {
+    let signer = cert.signature_key();
+    let Some(ca) = authorities.iter().find(|a| a.key.key_data() == signer) else {
+        return Err(format!(
+            "it is signed by the authority {}, which no @cert-authority line for this host names",
+            signer.fingerprint(HashAlg::Sha256)
+        ));
+    };
+    let fingerprint = signer.fingerprint(HashAlg::Sha256);
+    if cert.cert_type() != CertType::Host {
+        return Err("it is a user certificate, not a host certificate".into());
+    }
+    // Signature and validity window (and the signer again, by fingerprint).
+    if cert.validate_at(now, [&fingerprint]).is_err() {
+        return Err(if cert.verify_signature().is_err() {
+            "its signature does not verify".into()
+        } else if now < cert.valid_after() {
+            format!("it is not valid before {}", time_text(cert.valid_after()))
+        } else {
+            format!("it expired at {}", time_text(cert.valid_before()))
+        });
+    }
+    let principals = cert.valid_principals();
+    if !principals.is_empty() && !principals.iter().any(|p| p == principal) {
+        return Err(format!(
+            "it is for {}, not {principal}",
+            principals.join(", ")
+        ));
+    }
+    if let Some((option, _)) = cert.critical_options().iter().next() {
+        return Err(format!(
+            "it has the critical option {option:?}, which tunnel does not know"
+        ));
+    }
+    Ok(ca.at.clone())
+}
+
+/// Seconds since the epoch as `YYYY-MM-DD HH:MM:SS UTC` (the far future, as
+/// ssh-keygen's "forever", is shown as such).
+fn time_text(secs: u64) -> String {
+    if secs >= i64::MAX as u64 {
+        return "forever".into();
+    }
+    let days = secs / 86400;
+    let rem = secs % 86400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
 }
 
 fn parse_line(line: &str, at: Location) -> Option<Entry> {
@@ -447,6 +554,103 @@ mod tests {
         ));
         // A CA line is not a host key for the host.
         assert_eq!(kh.check("other", &key(K2)).expect("reads"), Lookup::Unknown);
+    }
+
+    /// `ssh-keygen` makes a CA and a host key in `dir`, and signs the host key
+    /// with `args` (`-h -n NAME`, `-V ...`); the certificate.
+    fn ssh_keygen_cert(dir: &std::path::Path, tag: &str, args: &[&str]) -> Certificate {
+        let keygen = |a: &[&str]| {
+            let out = std::process::Command::new("ssh-keygen")
+                .args(a)
+                .output()
+                .expect("ssh-keygen runs");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let ca = dir.join("ca");
+        if !ca.exists() {
+            keygen(&["-q", "-t", "ed25519", "-N", "", "-f", &ca.to_string_lossy()]);
+        }
+        let host = dir.join(tag);
+        keygen(&[
+            "-q",
+            "-t",
+            "ed25519",
+            "-N",
+            "",
+            "-f",
+            &host.to_string_lossy(),
+        ]);
+        let mut sign = vec!["-q", "-s", ca.to_str().expect("utf8"), "-I", tag];
+        sign.extend_from_slice(args);
+        let host_pub = format!("{}.pub", host.display());
+        sign.push(&host_pub);
+        keygen(&sign);
+        let text = fs::read_to_string(format!("{}-cert.pub", host.display())).expect("cert");
+        Certificate::from_openssh(text.trim()).expect("parses")
+    }
+
+    #[test]
+    fn host_certificates_are_checked_against_cert_authority_lines() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        let good = ssh_keygen_cert(
+            d,
+            "good",
+            &["-h", "-n", "gpu.example,gpu", "-V", "20260101:20300101"],
+        );
+        let any = ssh_keygen_cert(d, "any", &["-h"]);
+        let other_name = ssh_keygen_cert(d, "other", &["-h", "-n", "web.example"]);
+        let user = ssh_keygen_cert(d, "user", &["-n", "gpu.example"]);
+        let expired = ssh_keygen_cert(
+            d,
+            "old",
+            &["-h", "-n", "gpu.example", "-V", "20200101:20200102"],
+        );
+        let ca = fs::read_to_string(d.join("ca.pub")).expect("ca");
+        let ca = ca.split_whitespace().take(2).collect::<Vec<_>>().join(" ");
+        let (_k, kh) = kh(&format!("@cert-authority *.example,[*.example]:* {ca}\n"));
+        let now = 1_800_000_000; // 2027
+        let auth = kh.authorities_for("gpu.example").expect("reads");
+        assert_eq!(auth.len(), 1);
+        assert_eq!(auth[0].at.line, 1);
+        assert_eq!(
+            kh.authorities_for("[gpu.example]:2222")
+                .expect("reads")
+                .len(),
+            1
+        );
+        assert!(kh.authorities_for("gpu.other").expect("reads").is_empty());
+
+        assert_eq!(
+            check_certificate(&good, "gpu.example", &auth, now),
+            Ok(auth[0].at.clone())
+        );
+        assert!(check_certificate(&any, "gpu.example", &auth, now).is_ok());
+        let why =
+            |c: &Certificate| check_certificate(c, "gpu.example", &auth, now).expect_err("refused");
+        assert_eq!(why(&other_name), "it is for web.example, not gpu.example");
+        assert_eq!(
+            why(&user),
+            "it is a user certificate, not a host certificate"
+        );
+        assert!(
+            why(&expired).starts_with("it expired at 2020-01-02 00:00:00"),
+            "{}",
+            why(&expired)
+        );
+        assert!(check_certificate(&good, "gpu.example", &auth, 1_000)
+            .expect_err("before")
+            .starts_with("it is not valid before"));
+        // Signed by an authority that is not the one known_hosts names.
+        let stranger = tempfile::tempdir().expect("tempdir");
+        let foreign = ssh_keygen_cert(stranger.path(), "f", &["-h", "-n", "gpu.example"]);
+        assert!(why(&foreign).contains("which no @cert-authority line for this host names"));
+        assert_eq!(time_text(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(time_text(u64::MAX), "forever");
     }
 
     #[test]
