@@ -162,21 +162,31 @@ def make(name, factory, maker, amp=None):
     globals()[name + "_opt"] = opts[name]
     return m
 
+accumulate = {}  # name -> micro-batches per optimizer step (gradient accumulation)
+
 def train(name, batch, steps):
-    # The notebook's own loop, as a user writes it.
+    # The notebook's own loop, as a user writes it: `batch` samples per micro-batch, and
+    # `accumulate[name]` micro-batches per optimizer step where the row accumulates.
     m, opt, scaler, amp = models[name], opts[name], scalers[name], amps[name]
+    micro = accumulate.get(name, 1)
     m.train()
     for _ in range(steps):
-        x, y = data[name](batch)
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
-            out = m(x)
-            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]) if out.dim() == 3 else out,
-                                   y.reshape(-1) if out.dim() == 3 else y)
+        for _ in range(micro):
+            x, y = data[name](batch)
+            with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
+                out = m(x)
+                out = getattr(out, "logits", out)  # a Hugging Face model's output
+                loss = F.cross_entropy(out.reshape(-1, out.shape[-1]) if out.dim() == 3 else out,
+                                       y.reshape(-1) if out.dim() == 3 else y) / micro
+            if scaler is not None:
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
         if scaler is not None:
-            scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+            scaler.step(opt); scaler.update()
         else:
-            loss.backward(); opt.step()
+            opt.step()
     torch.cuda.synchronize()
 
 curve = []  # (batch, fits, peak allocated, peak reserved) of every fits() call
@@ -250,6 +260,13 @@ def drop(name):
 
 def gpt_step(batch):   # --step: the user's own function
     train("gptstep", batch, 1)
+
+def gpt_accum_step(batch):   # --step with gradient accumulation: 4 micro-batches of `batch`
+    train("gptaccum", batch, 1)
+
+def hf_gpt2():  # a model from outside this file: Hugging Face GPT-2 (124M), built from its config
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(n_positions=512))
 """
 
 # row: (name, setup code, magic arguments, libtorch too?, lightning?)
@@ -268,7 +285,13 @@ ROWS = {
     "gpt_checkpointed": ("make('gpt_checkpointed', lambda: GPT(checkpoint=True), tokens(32000, 512))",
                          "gpt_checkpointed --input 512", False),
     "gpt_step": ("make('gptstep', GPT, tokens(32000, 512))", "--step gpt_step", False),
+    "gpt_accum_step": ("make('gptaccum', GPT, tokens(32000, 512)); accumulate['gptaccum'] = 4",
+                       "--step gpt_accum_step", False),
+    "hf_gpt2_fp32": ("make('hf_gpt2_fp32', hf_gpt2, tokens(50257, 512))",
+                     "hf_gpt2_fp32 --input 512", False),
 }
+# The --step rows: the notebook variable their function trains.
+STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum"}
 
 
 def main() -> int:
@@ -359,7 +382,7 @@ def main() -> int:
             print(f"== {name}", file=sys.stderr, flush=True)
             _, err = run(kc, setup)
             assert err is None, err
-            key = "gptstep" if name == "gpt_step" else name
+            key = STEP_KEYS.get(name, name)
             row = {"model": name, "engine": "python", "args": args}
             ours = magic(kc, args)
             row.update(ours)
