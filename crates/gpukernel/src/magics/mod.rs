@@ -9,6 +9,7 @@ mod gauge;
 mod gpumem;
 mod help;
 mod maxbatch;
+mod oom;
 mod output;
 pub mod python;
 mod state;
@@ -71,6 +72,8 @@ pub fn parse_args<T: Parser>(
 /// The magics this kernel answers.
 pub struct Registry {
     magics: Vec<Box<dyn Magic>>,
+    /// What `%oom` remembers (it also sees `%maxbatch`'s results).
+    oom_notes: std::sync::Arc<oom::Notes>,
 }
 
 impl Default for Registry {
@@ -89,12 +92,15 @@ pub struct Completion {
 
 impl Registry {
     pub fn new() -> Self {
+        let oom_notes = std::sync::Arc::new(oom::Notes::default());
         Self {
+            oom_notes: oom_notes.clone(),
             magics: vec![
                 Box::new(help::GpuHelp),
                 Box::new(gpumem::GpuMem),
                 Box::new(emptycache::EmptyCache),
                 Box::new(maxbatch::MaxBatch),
+                Box::new(oom::Oom::new(oom_notes)),
                 Box::new(echo::Echo),
             ],
         }
@@ -157,6 +163,15 @@ impl Registry {
         let argv = std::iter::once(format!("%{}", line.name))
             .chain(words)
             .collect();
+        if line.name == "maxbatch" {
+            // %oom's suggestions use this session's %maxbatch results.
+            let tee = oom::Tee {
+                inner: ctx.out,
+                notes: &self.oom_notes,
+            };
+            let ctx = MagicContext { out: &tee, ..*ctx };
+            return magic.run(argv, &ctx);
+        }
         magic.run(argv, ctx)
     }
 

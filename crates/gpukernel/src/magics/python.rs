@@ -35,6 +35,10 @@ pub enum EvalError {
     /// No answer within the bound; the Python kernel was interrupted.
     #[error("no answer from the Python kernel within {0:?}; it was interrupted")]
     TimedOut(Duration),
+    /// No answer within the bound and nothing interrupted (see
+    /// [`PythonKernel::evaluate_within`]): the Python kernel is busy with later cells.
+    #[error("no answer from the Python kernel within {0:?} (busy with later cells)")]
+    NoAnswer(Duration),
     /// The user interrupted while we waited.
     #[error("interrupted")]
     Cancelled,
@@ -58,6 +62,11 @@ pub trait PythonKernel: Send + Sync {
     /// Past `bound.limit` the kernel is interrupted and the wait ends a few seconds later at
     /// the most; a cancel ends it the same way (the interrupt has reached the kernel too).
     fn evaluate_bounded(&self, expression: &str, bound: Bound<'_>) -> Result<String, EvalError>;
+    /// Evaluates `expression` like [`Self::evaluate_bounded`] but never interrupts the kernel:
+    /// past `limit` it stops waiting ([`EvalError::NoAnswer`]); the expression still runs when
+    /// the kernel gets to it and its answer is dropped. For work that must not disturb cells
+    /// queued behind it (the diagnosis after a failed cell).
+    fn evaluate_within(&self, expression: &str, limit: Duration) -> Result<String, EvalError>;
     fn pid(&self) -> u32;
     /// Reads torch's state in the Python kernel (waits for earlier cells to finish).
     fn torch(&self) -> Result<TorchState, String>;

@@ -100,6 +100,14 @@ pub async fn execute(
                         }
                         if reply["status"] != "ok" {
                             failure = Some(error_of(&reply));
+                            // The OOM diagnosis, under the traceback (nothing if it is none).
+                            let ename = reply["ename"].as_str().unwrap_or("");
+                            let line = super::after_error::oom_line(ename);
+                            let diagnosis =
+                                run_magic(proxy.engine.clone(), line, sink.clone(), cancel.clone());
+                            if let Err(e) = diagnosis.await {
+                                tracing::warn!("OOM diagnosis failed: {}", e.evalue);
+                            }
                         }
                     }
                     Err(_) if cancel.is_cancelled() => failure = Some(MagicError::interrupted()),

@@ -5,6 +5,7 @@
 //! on our magics -> merged reply; inspect of our magic -> our help; else -> child, raw).
 //! Replies and iopub from the child come back raw; see [`link`] for what is held back.
 
+mod after_error;
 mod child;
 mod link;
 mod mixed;
@@ -57,6 +58,7 @@ fn spawn_reply_router(
     mut from_child: DealerRecvHalf,
     mut to_frontend: RouterSendHalf,
     link: Arc<ChildLink>,
+    watch: Option<Arc<after_error::ErrorWatch>>,
 ) {
     tokio::spawn(async move {
         while let Ok(frames) = from_child.recv().await {
@@ -64,6 +66,9 @@ fn spawn_reply_router(
                 Ok(msg) if msg.identities.is_empty() => link.deliver(msg),
                 Ok(msg) => {
                     if let Some(msg) = link.take_if_awaited(msg) {
+                        if let Some(watch) = &watch {
+                            watch.on_reply(&msg);
+                        }
                         send(&mut to_frontend, msg.into_zmq()).await;
                     }
                 }
@@ -150,8 +155,15 @@ pub async fn run(
     let (front_shell_send, mut front_shell_recv) = channels.shell.split();
     let (front_control_send, mut front_control_recv) = channels.control.split();
     let (front_stdin_send, front_stdin_recv) = channels.stdin.split();
-    spawn_reply_router(child_shell_recv, front_shell_send.clone(), link.clone());
-    spawn_reply_router(child_control_recv, front_control_send, link.clone());
+    // The OOM diagnosis under a failed cell (before its idle).
+    let watch = after_error::ErrorWatch::new(session.clone(), iopub.clone(), proxy.engine.clone());
+    spawn_reply_router(
+        child_shell_recv,
+        front_shell_send.clone(),
+        link.clone(),
+        Some(watch.clone()),
+    );
+    spawn_reply_router(child_control_recv, front_control_send, link.clone(), None);
     spawn_pipe_to_frontend(child_stdin_recv, front_stdin_send);
     spawn_pipe_to_child(front_stdin_recv, child_stdin_send, session.clone());
 
@@ -162,7 +174,11 @@ pub async fn run(
     tokio::spawn(async move {
         while let Ok(frames) = child_iopub.recv().await {
             match RawMessage::from_zmq(frames) {
-                Ok(msg) if iopub_link.should_forward(&msg) => iopub_out.send(msg.into_zmq()),
+                Ok(msg) if iopub_link.should_forward(&msg) => {
+                    if let Some(msg) = watch.on_iopub(msg) {
+                        iopub_out.send(msg.into_zmq());
+                    }
+                }
                 Ok(_) => {}
                 Err(e) => tracing::warn!("malformed iopub message from the child: {e}"),
             }

@@ -94,6 +94,14 @@ impl PythonKernel for ChildPython {
         self.runtime.block_on(self.bounded(expression, bound))
     }
 
+    fn evaluate_within(&self, expression: &str, limit: Duration) -> Result<String, EvalError> {
+        self.runtime.block_on(async {
+            tokio::time::timeout(limit, evaluate_typed(&self.link, expression))
+                .await
+                .unwrap_or(Err(EvalError::NoAnswer(limit)))
+        })
+    }
+
     fn torch(&self) -> Result<TorchState, String> {
         // Magics run on blocking threads, where waiting on the runtime is allowed.
         let text = self
