@@ -6,6 +6,11 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::exit;
 
+/// Bounds of `--linger` and `--timeout`: far beyond any real use, and far
+/// below where deadline arithmetic (`Instant + secs`) could overflow.
+pub const MAX_LINGER_SECS: u64 = 7 * 24 * 3600;
+pub const MAX_TIMEOUT_SECS: u64 = 24 * 3600;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "tunnel",
@@ -142,12 +147,23 @@ pub struct UpArgs {
 
     /// Seconds the remote server waits for the client after the connection
     /// vanishes without a goodbye, before it stops itself; tunnel keeps
-    /// trying to reconnect for as long.
-    #[arg(long, value_name = "SECS", default_value_t = 120)]
+    /// trying to reconnect for as long (at most a week).
+    #[arg(
+        long,
+        value_name = "SECS",
+        default_value_t = 120,
+        value_parser = clap::value_parser!(u64).range(0..=MAX_LINGER_SECS)
+    )]
     pub linger: u64,
 
-    /// Seconds to wait for Jupyter to answer /api/status once launched.
-    #[arg(long, value_name = "SECS", default_value_t = 90)]
+    /// Seconds to wait for Jupyter to answer /api/status once launched (1 to
+    /// a day).
+    #[arg(
+        long,
+        value_name = "SECS",
+        default_value_t = 90,
+        value_parser = clap::value_parser!(u64).range(1..=MAX_TIMEOUT_SECS)
+    )]
     pub timeout: u64,
 
     /// HOST is a SLURM login node: submit a job with these sbatch options
@@ -260,6 +276,29 @@ mod tests {
         assert_eq!(up.linger, 5);
         assert!(up.no_browser && up.accept_new);
         assert_eq!(up.slurm, None);
+    }
+
+    #[test]
+    fn linger_and_timeout_are_bounded() {
+        for (opt, max) in [
+            ("--linger", MAX_LINGER_SECS),
+            ("--timeout", MAX_TIMEOUT_SECS),
+        ] {
+            let ok = Cli::try_parse_from(["tunnel", "up", "h", opt, &max.to_string()]);
+            assert!(ok.is_ok(), "{opt} {max}");
+            for bad in [
+                (max + 1).to_string(),
+                u64::MAX.to_string(),
+                "18446744073709551616".into(),
+                "-1".into(),
+            ] {
+                let err = Cli::try_parse_from(["tunnel", "up", "h", opt, &bad])
+                    .expect_err("out of range");
+                assert_eq!(err.exit_code(), 2, "{opt} {bad}");
+            }
+        }
+        assert!(Cli::try_parse_from(["tunnel", "up", "h", "--timeout", "0"]).is_err());
+        assert!(Cli::try_parse_from(["tunnel", "up", "h", "--linger", "0"]).is_ok());
     }
 
     #[test]

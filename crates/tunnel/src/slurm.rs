@@ -397,13 +397,17 @@ fn parse_time_left(s: &str) -> Option<u64> {
         .split(':')
         .map(|p| p.parse::<u64>().ok())
         .collect::<Option<_>>()?;
-    let hms = match parts.as_slice() {
-        [h, m, s] => h * 3600 + m * 60 + s,
-        [m, s] => m * 60 + s,
-        [s] => *s,
+    // squeue's numbers are the remote's: no overflow on absurd ones.
+    let (h, m, s) = match parts.as_slice() {
+        [h, m, s] => (*h, *m, *s),
+        [m, s] => (0, *m, *s),
+        [s] => (0, 0, *s),
         _ => return None,
     };
-    Some(days * 86400 + hms)
+    days.checked_mul(86400)?
+        .checked_add(h.checked_mul(3600)?)?
+        .checked_add(m.checked_mul(60)?)?
+        .checked_add(s)
 }
 
 /// The job's line in squeue; `None` once squeue no longer knows the job.
@@ -637,6 +641,8 @@ mod tests {
         assert!(!pending.is_running() && !pending.has_ended());
         assert_eq!(parse_time_left("59:58"), Some(3598));
         assert_eq!(parse_time_left("NOT_SET"), None);
+        assert_eq!(parse_time_left("18446744073709551615:00:00"), None);
+        assert_eq!(parse_time_left("18446744073709551615-0:0:1"), None);
         assert_eq!(parse_status(""), None);
         let running = parse_status("RUNNING|None|gpu01|gpu01|1:59:58").expect("parses");
         assert_eq!(running.describe(), "RUNNING on gpu01, 1h59m left");

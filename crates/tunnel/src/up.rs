@@ -894,7 +894,7 @@ async fn in_job(
             rec.reason = Some(st.reason.clone()).filter(|r| !r.is_empty() && r != "None");
             if st.is_running() {
                 rec.node = Some(st.batch_host.clone());
-                rec.ends_at = st.time_left.map(|left| now_secs() + left);
+                rec.ends_at = st.time_left.map(|left| now_secs().saturating_add(left));
             }
         }
         if let Err(e) = state.save() {
