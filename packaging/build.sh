@@ -10,11 +10,14 @@
 # Targets:
 #   x86_64-unknown-linux-musl (default)  static binary (no libc needed at run time); the wheel is
 #       tagged manylinux_2_17 and musllinux_1_2, so one file installs on glibc and musl distros.
-#   x86_64-unknown-linux-gnu             dynamically linked against this machine's glibc; maturin
-#       audits it for --compatibility (default manylinux2014), which a new glibc may fail.
-#   x86_64-pc-windows-gnu                cross-built with Debian's mingw-w64: a win_amd64 wheel and
-#       tunnel.exe. (tunnel does not compile for Windows yet: issue 16's port is under way.)
-#   *-apple-darwin                       needs macOS's SDK: build on a Mac with the same command.
+#   x86_64-unknown-linux-gnu             dynamically linked against this machine's glibc, tagged
+#       with the lowest manylinux that maturin's audit allows. Built on Debian 12 the binary
+#       needs GLIBC_2.34 (objdump -T), so manylinux2014 is out of reach: musl's wheel has it.
+#   x86_64-pc-windows-gnu                cross-built with Debian's mingw-w64 (and nasm, for
+#       aws-lc-sys): a win_amd64 wheel and tunnel.exe. Every dependency builds; tunnel's own code
+#       does not compile for Windows yet (issue 16's port is under way).
+#   *-apple-darwin                       needs macOS's SDK, so not from here; on a Mac,
+#       `maturin build --release` in packaging/tunnel-wheel should make it (not tried yet).
 #
 # Prints the paths it wrote on stdout, one per line (wheel first); progress goes to stderr.
 # Cargo artifacts go to $GPUNB_CACHE/target-dist (not the shared target dir, so a build here
@@ -35,7 +38,7 @@ while (($#)); do
     --out=*) out="${1#*=}"; shift ;;
     --compatibility) shift; while (($#)) && [[ "$1" != --* ]]; do compat+=("$1"); shift; done ;;
     --prepare) prepare_only=1; shift ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -60,7 +63,7 @@ apt_install() {
 prepare() {
   case "$target" in
     *-linux-musl) apt_install musl-tools ;;          # musl-gcc, for aws-lc-sys's C code
-    x86_64-pc-windows-gnu) apt_install gcc-mingw-w64-x86-64 ;;
+    x86_64-pc-windows-gnu) apt_install gcc-mingw-w64-x86-64 nasm ;;  # nasm: aws-lc-sys's asm
   esac
   if ! rustup target list --installed | grep -qx "$target"; then
     step "rustup target add $target"
@@ -71,6 +74,7 @@ prepare() {
     step "build venv $BUILD_VENV from packaging/requirements-build.txt"
     [ -x "$BUILD_VENV/bin/python" ] || python3 -m venv "$BUILD_VENV"
     "$BUILD_VENV/bin/pip" install -q -r "$BUILD_REQS"
+    "$BUILD_VENV/bin/pip" download -q --no-deps -d "$BUILD_VENV/wheels" "$(grep -E '^pip==' "$BUILD_REQS")"
     echo "$want" >"$BUILD_VENV/.req-hash"
   fi
 }
@@ -87,7 +91,6 @@ case "$target" in
     cc_var="CC_${target//-/_}"
     export "$cc_var"="${!cc_var:-musl-gcc}"
     ;;
-  *-linux-gnu) ((${#compat[@]})) || compat=(manylinux2014) ;;
   *-windows-*) exe=".exe" ;;
 esac
 compat_args=()

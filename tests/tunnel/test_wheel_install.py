@@ -44,10 +44,10 @@ def dist() -> dict[str, Path]:
     return {"wheel": Path(wheel), "binary": Path(binary)}
 
 
-def no_rust_env(venv: Path) -> dict[str, str]:
+def no_rust_env(bin_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("CARGO", "RUST", "VIRTUAL_ENV", "PYTHON", "LIBTORCH"))}
-    env["PATH"] = f"{venv / 'bin'}:{SYSTEM_PATH}"
+    env["PATH"] = f"{bin_dir}:{SYSTEM_PATH}"
     for tool in ("cargo", "rustc", "rustup", "maturin"):
         assert shutil.which(tool, path=env["PATH"]) is None, f"{tool} is on the clean PATH"
     return env
@@ -83,6 +83,32 @@ def test_static_binary_needs_no_libc(dist):
     assert r.returncode == 0 and r.stdout.strip() == f"tunnel {VERSION}", r
 
 
+def build_venv() -> Path:
+    """Where packaging/build.sh keeps maturin and pipx (scripts/env.sh's cache)."""
+    cache = Path(os.environ.get("GPUNB_CACHE", Path.home() / ".cache" / "gpunb"))
+    return Path(os.environ.get("GPUNB_BUILD_VENV", cache / "venv-build"))
+
+
+def test_pipx_installs_the_wheel_offline_and_tunnel_runs(dist, state_dir, tmp_path):
+    # As the README's first line says, with pipx's home and bin dir in tmp_path; no index
+    # (pipx's shared venv takes pip from the wheel build.sh keeps beside pipx).
+    home = tmp_path / "home"
+    home.mkdir()
+    bin_dir = tmp_path / "pipx-bin"
+    env = no_rust_env(bin_dir)
+    env.update(HOME=str(home), PIPX_HOME=str(tmp_path / "pipx"), PIPX_BIN_DIR=str(bin_dir),
+               PIP_NO_INDEX="1", PIP_FIND_LINKS=str(build_venv() / "wheels"))
+    r = subprocess.run([str(build_venv() / "bin" / "pipx"), "install", str(dist["wheel"])],
+                       env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert shutil.which("tunnel", path=env["PATH"]) == str(bin_dir / "tunnel")
+    r = subprocess.run(["tunnel", "--version"], env=env, capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0 and r.stdout.strip() == f"tunnel {VERSION}", r
+    r = run_tunnel(bin_dir / "tunnel", state_dir, "ls", env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "no tunnels", r
+
+
 def test_pip_installed_wheel_runs_tunnel_up_and_down_without_rust(
     dist, sshd, state_dir, jupyter_prefix, tmp_path
 ):
@@ -91,7 +117,7 @@ def test_pip_installed_wheel_runs_tunnel_up_and_down_without_rust(
     venv = tmp_path / "venv"
     base_python = getattr(sys, "_base_executable", None) or sys.executable
     subprocess.run([base_python, "-m", "venv", str(venv)], check=True, timeout=120)
-    env = no_rust_env(venv)
+    env = no_rust_env(venv / "bin")
     r = subprocess.run([str(venv / "bin" / "pip"), "install", "--no-index", "--no-deps",
                         str(dist["wheel"])], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
