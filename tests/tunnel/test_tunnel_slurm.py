@@ -314,3 +314,59 @@ def test_a_job_ended_from_outside_ends_the_tunnel_with_its_state(up, cluster, tu
     # Killed before it could clean up, the launcher left its runtime
     # directory to the batch script, which removed it.
     assert wait_until(lambda: not Path(rt).exists(), 10), os.listdir(rt)
+
+
+def test_relay_steps_are_capped_and_a_connection_beyond_the_cap_waits(
+    tunnel_bin, login, ssh_config, state_dir, jupyter_prefix, cluster, node_sshd
+):
+    """Each relayed connection is a job step and an SSH channel: at most
+    TUNNEL_SLURM_RELAY_MAX run at once, the next connection waits (said once on stderr)
+    and is served as soon as one closes."""
+    import socket
+
+    node_sshd.stop()  # relays only
+    t = Tunnel(tunnel_bin, login, state_dir, jupyter_prefix,
+               ["--slurm", "--time=5", "--app", "server"], config=ssh_config, host="login",
+               env={"TUNNEL_SLURM_RELAY_MAX": "2"})
+    held = []
+    try:
+        url = t.wait_url(120)
+        token, port = token_of(url), port_of(url)
+        job = job_of(t)
+
+        def relay_steps():
+            out = cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%j").stdout.split()
+            return out.count("jupyter-relay")
+
+        # The readiness probe's relay has ended; two idle connections take both slots.
+        assert wait_until(lambda: relay_steps() == 0, 30)
+        for _ in range(2):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        assert wait_until(lambda: relay_steps() == 2, 30), relay_steps()
+        third = socket.create_connection(("127.0.0.1", port), timeout=30)
+        third.sendall(f"GET /api/status HTTP/1.0\r\nAuthorization: token {token}\r\n\r\n".encode())
+        third.settimeout(3)
+        with pytest.raises(socket.timeout):
+            third.recv(1)  # no slot: it waits
+        assert relay_steps() == 2
+        assert "2 connections are open through relay job steps" in t.stderr, t.stderr
+        assert t.stderr.count("connections are open through relay job steps") == 1
+        held.pop().close()
+        third.settimeout(30)
+        answer = b""
+        while chunk := third.recv(65536):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        third.close()
+        assert relay_steps() <= 2
+        for s in held:
+            s.close()
+        assert t.interrupt_and_wait(60) == EXIT["ok"], t.stderr
+        assert cluster.jobs() == []
+    finally:
+        for s in held:
+            s.close()
+        t.kill()
+        if cluster.jobs():
+            cluster.run("scancel", "--partition=debug", check=False)
+            cluster.wait_no_jobs(20)

@@ -570,6 +570,30 @@ pub fn relay_wrapper(job: &str, node: &str, port: u16) -> String {
     )
 }
 
+/// How many relays (job steps, each with an SSH channel) may run at once by
+/// default: a JupyterLab page holds about six HTTP connections plus one
+/// websocket per open notebook or terminal.
+pub const RELAY_MAX: usize = 32;
+/// The most `TUNNEL_SLURM_RELAY_MAX` may ask for.
+const RELAY_MAX_LIMIT: usize = 1024;
+
+/// The relay cap: `TUNNEL_SLURM_RELAY_MAX` (1 to 1024) if set, else [`RELAY_MAX`].
+pub fn relay_max() -> usize {
+    let Some(raw) = std::env::var_os("TUNNEL_SLURM_RELAY_MAX") else {
+        return RELAY_MAX;
+    };
+    match raw.to_str().and_then(|s| s.trim().parse::<usize>().ok()) {
+        Some(n) if (1..=RELAY_MAX_LIMIT).contains(&n) => n,
+        _ => {
+            tracing::warn!(
+                "TUNNEL_SLURM_RELAY_MAX={}: not a number from 1 to {RELAY_MAX_LIMIT}; using {RELAY_MAX}",
+                raw.to_string_lossy()
+            );
+            RELAY_MAX
+        }
+    }
+}
+
 /// scancel the job and wait (up to about 40 s) until squeue no longer lists
 /// it, so that its processes are gone when tunnel exits. `Ok(false)` when it
 /// was still listed at the end.

@@ -973,9 +973,7 @@ async fn in_job(
         Some(h) => (h.clone(), forward::Way::Direct(port)),
         None => (
             cx.login.clone(),
-            forward::Way::Exec {
-                script: slurm::relay_wrapper(job, &node, port),
-            },
+            forward::Way::relay(slurm::relay_wrapper(job, &node, port), slurm::relay_max()),
         ),
     };
     let (session_tx, session_rx) = watch::channel(Some(forward_session));
