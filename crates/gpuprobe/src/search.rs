@@ -357,7 +357,9 @@ impl<'a> State<'a> {
         if points.len() < 2 {
             return None;
         }
-        let i = points.partition_point(|p| p.0 < batch).clamp(1, points.len() - 1);
+        let i = points
+            .partition_point(|p| p.0 < batch)
+            .clamp(1, points.len() - 1);
         let ((x0, y0), (x1, y1)) = (points[i - 1], points[i]);
         let slope = (y1 as f64 - y0 as f64) / (x1 as f64 - x0 as f64);
         Some(y1 as f64 + slope * (batch as f64 - x1 as f64))
