@@ -5,6 +5,7 @@ mod cancel;
 pub mod cell;
 mod echo;
 mod emptycache;
+mod envcheck;
 mod gauge;
 mod gpumem;
 mod help;
@@ -101,6 +102,7 @@ impl Registry {
                 Box::new(emptycache::EmptyCache),
                 Box::new(maxbatch::MaxBatch),
                 Box::new(oom::Oom::new(oom_notes)),
+                Box::new(envcheck::EnvCheck),
                 Box::new(echo::Echo),
             ],
         }
