@@ -5,7 +5,15 @@ use clap::{CommandFactory, Parser};
 
 /// Every magic name, for `%gpuhelp NAME` validation and completion (a test keeps it in step
 /// with the registry).
-pub const MAGIC_NAMES: [&str; 5] = ["gpuhelp", "gpumem", "emptycache", "maxbatch", "echo"];
+pub const MAGIC_NAMES: [&str; 7] = [
+    "gpuhelp",
+    "gpumem",
+    "emptycache",
+    "maxbatch",
+    "oom",
+    "envcheck",
+    "echo",
+];
 
 /// Describe the GPU magics; with a name, that magic's full help.
 #[derive(Parser, Debug)]

@@ -642,12 +642,21 @@ mod tests {
     #[test]
     fn arch_cuda_wheels_and_visible_devices() {
         let mut t = torch("2.11.0", Some("13.0"));
-        t.devices = vec![TorchDevice {
-            index: 0,
-            name: "B200".into(),
-            capability: (10, 0),
-            uuid: None,
-        }];
+        // A V100 (7.0) under a build from sm_80 up: no code at all. A B200 (10.0): PTX only.
+        t.devices = vec![
+            TorchDevice {
+                index: 0,
+                name: "V100".into(),
+                capability: (7, 0),
+                uuid: None,
+            },
+            TorchDevice {
+                index: 1,
+                name: "B200".into(),
+                capability: (10, 0),
+                uuid: None,
+            },
+        ];
         let wheel = |name: &str, v: &str| Dist {
             name: name.into(),
             canonical: name.into(),
@@ -669,6 +678,10 @@ mod tests {
             .map(|x| x.check)
             .collect();
         assert!(names.contains(&"gpu_arch"), "{names:?}");
+        let ptx = f
+            .iter()
+            .find(|x| x.check == "gpu_arch" && x.level == Level::Warning);
+        assert!(ptx.unwrap().summary.contains("cuda:1 (B200)"));
         assert!(names.contains(&"nvidia_wheels"), "{names:?}");
         assert!(names.contains(&"cuda_visible_devices"), "{names:?}");
         assert_eq!(
