@@ -191,6 +191,19 @@ def test_a_wrapped_oom_and_one_in_a_mixed_cell_are_diagnosed(kernel):
     assert diagnosis_of(outputs)["application/json"]["batch"]["size"] == 64
 
 
+def test_release_lets_go_of_the_failed_cells_traceback(kernel):
+    kc = kernel
+    reply, _ = execute(kc, OOM_CELL, timeout=30)
+    assert reply["content"]["status"] == "error"
+    reply, outputs = execute(kc, "%oom --release --json", timeout=30)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    value = [m for m in outputs if m["msg_type"] == "execute_result"][0]["content"]["data"]
+    assert value["application/json"]["had_traceback"] is True
+    reply, outputs = execute(kc, "import sys\nprint(hasattr(sys, 'last_traceback'), "
+                                 "get_ipython().InteractiveTB.tb)", timeout=30)
+    assert "".join(m["content"].get("text", "") for m in outputs).strip() == "False None"
+
+
 def test_magics_only_kernel_has_oom_with_nothing_to_show():
     with running_kernel("gpu-magics") as (km, kc):
         reply, outputs = execute(kc, "%oom --json", timeout=30)

@@ -45,6 +45,7 @@ pub struct Diagnosis {
     pub tensor_bytes_total: u64,
     pub traceback_bytes: u64,
     pub traceback_tensors: u64,
+    pub has_traceback: bool,
     pub model: Option<String>,
     pub batch: Option<BatchView>,
     pub maxbatch: Option<MaxBatchNote>,
@@ -70,6 +71,10 @@ pub struct DeviceView {
     /// Share of the cached free memory outside its largest block (0: one block, 1: dust).
     pub fragmentation: Option<f64>,
     pub num_ooms: Option<u64>,
+    /// The cap `set_per_process_memory_fraction` puts on the Python kernel.
+    pub cap_bytes: Option<u64>,
+    /// Allocated bytes no notebook name reaches (the failed cell's frames and graph, mostly).
+    pub unnamed_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -101,7 +106,8 @@ pub enum Action {
         command: String,
     },
     ClearTraceback {
-        code: String,
+        command: String,
+        bytes: u64,
     },
     UseBatch {
         batch: u64,
@@ -121,8 +127,8 @@ pub enum Action {
 }
 
 const EXPANDABLE: &str = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True";
-const CLEAR_TRACEBACK: &str = "import sys; sys.last_traceback = sys.last_value = None; \
-                               sys.last_exc = None  # then %emptycache";
+/// What a failed cell's traceback holds before it is worth a step of its own.
+const WORTH_RELEASING: u64 = 64 << 20;
 
 fn device_view(
     facts: &ProbeFacts,
@@ -143,6 +149,13 @@ fn device_view(
         view.fragmentation = (reclaimable > 0)
             .then(|| 1.0 - a.largest_free_block.min(reclaimable) as f64 / reclaimable as f64);
         view.num_ooms = Some(a.num_ooms);
+        view.cap_bytes = a.cap();
+        let named = facts
+            .named_bytes_by_device
+            .get(&format!("cuda:{}", a.index))
+            .copied()
+            .unwrap_or(0);
+        view.unnamed_bytes = Some(a.allocated.saturating_sub(named));
     }
     (view, allocator)
 }
@@ -226,6 +239,7 @@ pub fn diagnose(inputs: &Inputs) -> Diagnosis {
         tensor_bytes_total: facts.tensor_bytes_total,
         traceback_bytes: facts.traceback_bytes,
         traceback_tensors: facts.traceback_tensors,
+        has_traceback: facts.has_traceback,
         model: facts.model_name.clone(),
         batch,
         maxbatch,
@@ -249,11 +263,42 @@ pub fn diagnose(inputs: &Inputs) -> Diagnosis {
 pub fn suggest(d: &Diagnosis) -> Vec<Suggestion> {
     let mut out = Vec::new();
     let request = d.requested_bytes.unwrap_or(0);
-    let free = d
+    let mut free = d
         .at_oom
         .free_at_oom
         .or(d.device.nvml_free_bytes)
         .unwrap_or(0);
+    // Under set_per_process_memory_fraction, what the cap leaves is what counts.
+    if let Some(allowed) = d.at_oom.allowed_at_oom.or(d.device.cap_bytes) {
+        let used = match (
+            d.at_oom.allocated_at_oom,
+            d.at_oom.reserved_unallocated_at_oom,
+        ) {
+            (Some(a), Some(r)) => a + r,
+            _ => d.device.reserved_bytes.unwrap_or(0),
+        };
+        free = free.min(allowed.saturating_sub(used));
+    }
+
+    // IPython keeps the failed cell's traceback, and every frame's tensors with it: running
+    // the cell again with them alive needs that much more.
+    let held = d.traceback_bytes.max(d.device.unnamed_bytes.unwrap_or(0));
+    let release_first = d.has_traceback && held >= WORTH_RELEASING;
+    if release_first {
+        out.push(Suggestion {
+            action: Action::ClearTraceback {
+                command: "%oom --release".into(),
+                bytes: held,
+            },
+            text: format!(
+                "First, `%oom --release`: IPython keeps the failed cell's traceback, and with it \
+                 about {} of GPU memory no variable of yours reaches (the step's partial \
+                 activations and their autograd graph); run again as is, the cell starts with \
+                 that much less. It returns the cache too.",
+                human_bytes(held)
+            ),
+        });
+    }
     let cached_free_at_oom = d.at_oom.reserved_unallocated_at_oom.unwrap_or(0);
     let shortfall = request.saturating_sub(free + cached_free_at_oom);
     let expandable_on = d
@@ -334,7 +379,7 @@ pub fn suggest(d: &Diagnosis) -> Vec<Suggestion> {
         });
     } else if d.device.releasable_bytes.unwrap_or(0) + free >= request
         && request > 0
-        && d.traceback_bytes == 0
+        && !release_first
         && shortfall == 0
     {
         out.push(Suggestion {
@@ -413,19 +458,6 @@ pub fn suggest(d: &Diagnosis) -> Vec<Suggestion> {
                 ),
             });
         }
-    }
-    if d.traceback_bytes > 0 {
-        out.push(Suggestion {
-            action: Action::ClearTraceback {
-                code: CLEAR_TRACEBACK.into(),
-            },
-            text: format!(
-                "Before running the cell again: the failed cell's traceback keeps {} of GPU \
-                 tensors ({} of them) alive; `{CLEAR_TRACEBACK}` lets them go.",
-                human_bytes(d.traceback_bytes),
-                d.traceback_tensors
-            ),
-        });
     }
     out.push(Suggestion {
         action: Action::MixedPrecision {
@@ -519,6 +551,39 @@ mod tests {
         let mut f2 = f.clone();
         f2.alloc_conf = Some("expandable_segments:True".into());
         assert_ne!(kinds(&run(&f2, &[]))[0], "expandable_segments");
+    }
+
+    #[test]
+    fn a_held_traceback_is_released_first_and_a_cap_counts() {
+        let mut f = facts(
+            "Tried to allocate 4.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which \
+             100.00 GiB is free. 24.00 GiB allowed; Of the allocated memory 21.00 GiB is \
+             allocated by PyTorch, and 1.00 GiB is reserved by PyTorch but unallocated.",
+        );
+        f.cuda_initialized = true;
+        f.has_traceback = true;
+        f.input_batch = Some(512);
+        f.devices = vec![AllocatorFacts {
+            index: 0,
+            allocated: 18 * GIB,
+            reserved: 23 * GIB,
+            largest_free_block: 5 * GIB,
+            releasable: 4 * GIB,
+            ..Default::default()
+        }];
+        f.named_bytes_by_device.insert("cuda:0".into(), 2 * GIB);
+        let d = run(&f, &[]);
+        assert_eq!(d.device.unnamed_bytes, Some(16 * GIB));
+        assert_eq!(
+            d.suggestions[0].action,
+            Action::ClearTraceback {
+                command: "%oom --release".into(),
+                bytes: 16 * GIB
+            }
+        );
+        // The cap leaves 2 GiB of the 100 free: no %emptycache, no fragmentation advice.
+        assert_eq!(kinds(&d)[1], "gradient_accumulation");
+        assert!(!kinds(&d).contains(&"empty_cache".to_string()));
     }
 
     #[test]

@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 /// The probe's answer: `{"ok": facts}` or `{"failed": why}`.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum ProbeReply {
-    Ok(Box<ProbeFacts>),
+pub enum ProbeReply<T> {
+    Ok(Box<T>),
     Failed(String),
 }
 
@@ -36,6 +36,12 @@ pub struct ProbeFacts {
     pub batch_value: Option<u64>,
     pub alloc_conf: Option<String>,
     pub current_device: Option<u32>,
+    /// Bytes of the tensors reachable from the notebook's names, per device ("cuda:0").
+    #[serde(default)]
+    pub named_bytes_by_device: std::collections::BTreeMap<String, u64>,
+    /// IPython still holds the failed cell's traceback (and with it every frame's tensors).
+    #[serde(default)]
+    pub has_traceback: bool,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
@@ -52,7 +58,7 @@ pub struct ExceptionFacts {
 }
 
 /// One CUDA device's caching allocator in the Python kernel (torch's CUDA ordinal).
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
 pub struct AllocatorFacts {
     pub index: u32,
     pub uuid: Option<String>,
@@ -68,6 +74,9 @@ pub struct AllocatorFacts {
     /// Bytes in segments with nothing allocated: what `empty_cache` gives back to the driver.
     pub releasable: u64,
     pub segments: u64,
+    pub total_memory: Option<u64>,
+    /// `torch.cuda.set_per_process_memory_fraction`'s cap (1.0: none).
+    pub memory_fraction: Option<f64>,
 }
 
 impl AllocatorFacts {
@@ -75,6 +84,30 @@ impl AllocatorFacts {
     pub fn reclaimable(&self) -> u64 {
         self.reserved.saturating_sub(self.allocated)
     }
+
+    /// The byte cap `set_per_process_memory_fraction` puts on this process, if any.
+    pub fn cap(&self) -> Option<u64> {
+        match (self.memory_fraction, self.total_memory) {
+            (Some(f), Some(total)) if f < 1.0 => Some((f * total as f64) as u64),
+            _ => None,
+        }
+    }
+}
+
+/// `%oom --release`'s answer: the allocator before and after, per device.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+pub struct Released {
+    pub had_traceback: bool,
+    pub devices: Vec<ReleasedDevice>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+pub struct ReleasedDevice {
+    pub index: u32,
+    pub allocated_before: u64,
+    pub reserved_before: u64,
+    pub allocated_after: u64,
+    pub reserved_after: u64,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
@@ -98,6 +131,10 @@ pub struct MessageFigures {
     pub device: Option<u32>,
     pub free_at_oom: Option<u64>,
     pub reserved_unallocated_at_oom: Option<u64>,
+    /// What `set_per_process_memory_fraction` allowed ("... 24.00 GiB allowed; ...").
+    pub allowed_at_oom: Option<u64>,
+    /// "Of the allocated memory 76.50 GiB is allocated by PyTorch".
+    pub allocated_at_oom: Option<u64>,
 }
 
 /// Reads the numbers in an OOM message; what it cannot find stays `None`.
@@ -110,6 +147,8 @@ pub fn parse_message(message: &str) -> MessageFigures {
             message,
             " is reserved by PyTorch but unallocated",
         ),
+        allowed_at_oom: size_before(message, " allowed"),
+        allocated_at_oom: size_after(message, "Of the allocated memory "),
     }
 }
 
@@ -176,6 +215,16 @@ mod tests {
             f.reserved_unallocated_at_oom,
             Some((7.93f64 * (1u64 << 30) as f64).round() as u64)
         );
+        assert_eq!(
+            f.allocated_at_oom,
+            Some((130.10f64 * (1u64 << 30) as f64).round() as u64)
+        );
+        assert_eq!(f.allowed_at_oom, None);
+        let capped = parse_message(
+            "Tried to allocate 1.00 GiB. GPU 0 has a total capacity of \
+            139.81 GiB of which 100.00 GiB is free. 24.00 GiB allowed; 23.50 GiB in use.",
+        );
+        assert_eq!(capped.allowed_at_oom, Some(24 << 30));
     }
 
     #[test]
@@ -191,7 +240,7 @@ mod tests {
 
     #[test]
     fn probe_reply_shapes() {
-        let ok: ProbeReply = serde_json::from_str(
+        let ok: ProbeReply<ProbeFacts> = serde_json::from_str(
             r#"{"ok": {"torch_imported": true, "torch_version": "2.11.0", "exception": null,
                 "is_oom": false, "cuda_initialized": false, "model_name": null,
                 "input_batch": null, "batch_variable": null, "batch_value": null,
@@ -199,7 +248,8 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(ok, ProbeReply::Ok(f) if f.torch_imported && !f.is_oom));
-        let failed: ProbeReply = serde_json::from_str(r#"{"failed": "ValueError: x"}"#).unwrap();
+        let failed: ProbeReply<ProbeFacts> =
+            serde_json::from_str(r#"{"failed": "ValueError: x"}"#).unwrap();
         assert!(matches!(failed, ProbeReply::Failed(w) if w.contains("ValueError")));
     }
 }

@@ -18,7 +18,8 @@ use super::python::{module_call_expression, EvalError};
 use super::{parse_args, Magic, MagicContext, MagicError, Output, OutputSink};
 use clap::{CommandFactory, Parser};
 use diagnosis::{Diagnosis, Inputs, MaxBatchNote};
-use facts::{ProbeFacts, ProbeReply};
+use facts::{ProbeFacts, ProbeReply, Released};
+use gpuprobe::units::human_bytes;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -41,6 +42,11 @@ struct Args {
     /// Return the diagnosis as JSON (the cell's value) for scripts.
     #[arg(long)]
     json: bool,
+    /// Let go of what the failed cell's traceback keeps alive (IPython holds it for %debug:
+    /// every frame's tensors and their autograd graph), then return the cache; says what it
+    /// freed. %debug has nothing to show afterwards.
+    #[arg(long, conflicts_with = "after_error")]
+    release: bool,
     /// (gpukernel itself, after a failed cell) diagnose if the cell's exception ENAME is an OOM.
     #[arg(long, hide = true, value_name = "ENAME")]
     after_error: Option<String>,
@@ -133,7 +139,7 @@ impl Oom {
                 return None;
             }
         };
-        match serde_json::from_str::<ProbeReply>(&text) {
+        match serde_json::from_str::<ProbeReply<ProbeFacts>>(&text) {
             Ok(ProbeReply::Ok(facts)) => Some(*facts),
             Ok(ProbeReply::Failed(why)) => {
                 tracing::warn!("OOM probe failed in the Python kernel: {why}");
@@ -180,6 +186,48 @@ impl Oom {
     }
 }
 
+impl Oom {
+    fn release(&self, as_value: bool, ctx: &MagicContext) -> Result<(), MagicError> {
+        let Some(python) = ctx.python else {
+            return Err(MagicError::usage(
+                "%oom --release frees what a failed cell of the Python kernel holds; this is the \
+                 magics-only kernel",
+            ));
+        };
+        let expression = module_call_expression(KEY, SOURCE, "release", &json!({}));
+        let text = python
+            .evaluate_within(&expression, Duration::from_secs(60))
+            .map_err(|e| MagicError::new("OomError", e.to_string()))?;
+        let released = match serde_json::from_str::<ProbeReply<Released>>(&text) {
+            Ok(ProbeReply::Ok(r)) => *r,
+            Ok(ProbeReply::Failed(why)) => return Err(MagicError::new("OomError", why)),
+            Err(e) => return Err(MagicError::new("OomError", format!("{e}: {text}"))),
+        };
+        let mut lines = vec![if released.had_traceback {
+            "Released the failed cell's traceback and returned the cache.".to_string()
+        } else {
+            "No traceback was held; returned the cache.".to_string()
+        }];
+        for d in &released.devices {
+            lines.push(format!(
+                "  cuda:{}: allocated {} -> {}, reserved {} -> {}",
+                d.index,
+                human_bytes(d.allocated_before),
+                human_bytes(d.allocated_after),
+                human_bytes(d.reserved_before),
+                human_bytes(d.reserved_after)
+            ));
+        }
+        let mut data = super::bundle(lines.join("\n") + "\n", None);
+        data.insert(
+            "application/json".into(),
+            serde_json::to_value(&released).unwrap_or(Value::Null),
+        );
+        ctx.out.emit(Output::value_or_display(data, as_value));
+        Ok(())
+    }
+}
+
 impl Magic for Oom {
     fn name(&self) -> &'static str {
         "oom"
@@ -200,6 +248,9 @@ impl Magic for Oom {
         if let Some(ename) = &args.after_error {
             self.after_error(ename, ctx);
             return Ok(());
+        }
+        if args.release {
+            return self.release(args.json, ctx);
         }
         let last = self.notes.lock().last.clone();
         let data = match (&last, args.json) {

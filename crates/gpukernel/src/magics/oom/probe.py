@@ -61,9 +61,14 @@ def _allocator(torch):
                 if block.get("state") == "inactive":
                     largest = max(largest, block.get("size", 0))
         try:
-            uuid = str(torch.cuda.get_device_properties(index).uuid)
+            props = torch.cuda.get_device_properties(index)
+            uuid, total = str(props.uuid), int(props.total_memory)
         except Exception:
-            uuid = None
+            uuid, total = None, None
+        try:
+            fraction = float(torch.cuda.get_per_process_memory_fraction(index))
+        except Exception:  # older torch: no getter
+            fraction = None
         devices.append({
             "index": index,
             "uuid": uuid,
@@ -76,6 +81,8 @@ def _allocator(torch):
             "largest_free_block": int(largest),
             "releasable": int(releasable),
             "segments": count_segments,
+            "total_memory": total,
+            "memory_fraction": fraction,
         })
     return devices
 
@@ -224,7 +231,8 @@ def diagnose(user_ns, args):
            "is_oom": False, "cuda_initialized": False, "devices": [], "tensors": [],
            "traceback_bytes": 0, "traceback_tensors": 0, "model_name": None,
            "input_batch": None, "batch_variable": None, "batch_value": None,
-           "alloc_conf": None, "current_device": None}
+           "alloc_conf": None, "current_device": None, "named_bytes_by_device": {},
+           "has_traceback": False}
     if torch is None:
         return out
     out["torch_version"] = getattr(torch, "__version__", None)
@@ -270,6 +278,12 @@ def diagnose(user_ns, args):
         walk.value(key, v)
     late = None
     v = None
+    by_device = {}
+    for e in walk.found:
+        for d in e["device"].split(","):
+            by_device[d] = by_device.get(d, 0) + e["bytes"]
+    out["named_bytes_by_device"] = by_device
+    out["has_traceback"] = tb is not None
     out["traceback_bytes"], out["traceback_tensors"] = _traceback_tensors(walk, tb, user_ns)
     out["model_name"], out["input_batch"] = _model_and_batch(torch, user_ns, tb)
     tb = None
@@ -281,13 +295,53 @@ def diagnose(user_ns, args):
     return out
 
 
+def _allocated(torch):
+    try:
+        if not torch.cuda.is_initialized():
+            return {}
+        return {i: (torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i))
+                for i in range(torch.cuda.device_count())}
+    except Exception:
+        return {}
+
+
+def release(user_ns, args):
+    """``%oom --release``, asked for by the user: lets go of the failed cell's traceback (which
+    keeps every frame's tensors, and their autograd graphs, alive) and returns the cache."""
+    torch = sys.modules.get("torch")
+    before = _allocated(torch) if torch is not None else {}
+    had = any(getattr(sys, n, None) is not None for n in ("last_traceback", "last_exc"))
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
+    shell = user_ns.get("get_ipython")
+    shell = shell() if callable(shell) else None
+    formatter = getattr(shell, "InteractiveTB", None)
+    if formatter is not None and getattr(formatter, "tb", None) is not None:
+        formatter.tb = None
+    shell = formatter = None
+    gc = sys.modules.get("gc")
+    if gc is not None:
+        gc.collect()
+    if torch is not None and before:
+        torch.cuda.empty_cache()
+    after = _allocated(torch) if torch is not None else {}
+    return {"had_traceback": had, "devices": [
+        {"index": i, "allocated_before": b[0], "reserved_before": b[1],
+         "allocated_after": after.get(i, b)[0], "reserved_after": after.get(i, b)[1]}
+        for i, b in sorted(before.items())]}
+
+
 def call(user_ns, name, args_json):
     json = sys.modules["json"]
     try:
         args = json.loads(args_json)
-        if name != "diagnose":
+        if name == "diagnose":
+            result = {"ok": diagnose(user_ns, args)}
+        elif name == "release":
+            result = {"ok": release(user_ns, args)}
+        else:
             raise ValueError(f"unknown function {name}")
-        result = {"ok": diagnose(user_ns, args)}
     except BaseException as e:  # never raise into IPython: it would replace sys.last_value
         result = {"failed": f"{type(e).__name__}: {e}"}
     finally:
