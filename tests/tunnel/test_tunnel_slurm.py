@@ -256,8 +256,8 @@ def test_where_ssh_to_the_node_is_closed_connections_go_through_relay_steps(
     token, port = token_of(url), port_of(url)
     job = job_of(t)
     assert f"cannot ssh to {cluster.node} through login" in t.stderr, t.stderr
-    assert "relaying through job steps" in t.stderr
-    # HTTP and a kernel's websocket, each connection a relay step of the job.
+    assert "relaying through a job step" in t.stderr
+    # HTTP and a kernel's websocket, through the job's relay step.
     r = requests.get(f"http://127.0.0.1:{port}/api/status",
                      headers={"Authorization": f"token {token}"}, timeout=30)
     assert r.status_code == 200, r.text
@@ -316,57 +316,48 @@ def test_a_job_ended_from_outside_ends_the_tunnel_with_its_state(up, cluster, tu
     assert wait_until(lambda: not Path(rt).exists(), 10), os.listdir(rt)
 
 
-def test_relay_steps_are_capped_and_a_connection_beyond_the_cap_waits(
-    tunnel_bin, login, ssh_config, state_dir, jupyter_prefix, cluster, node_sshd
+def test_one_relay_step_carries_every_connection(
+    up, cluster, node_sshd, tunnel_bin, state_dir
 ):
-    """Each relayed connection is a job step and an SSH channel: at most
-    TUNNEL_SLURM_RELAY_MAX run at once, the next connection waits (said once on stderr)
-    and is served as soon as one closes."""
+    """Where ssh to the node is closed, all connections share one relay job step (one
+    exec channel), multiplexed: many at once, idle ones held open, each answered."""
     import socket
+    from concurrent.futures import ThreadPoolExecutor
 
     node_sshd.stop()  # relays only
-    t = Tunnel(tunnel_bin, login, state_dir, jupyter_prefix,
-               ["--slurm", "--time=5", "--app", "server"], config=ssh_config, host="login",
-               env={"TUNNEL_SLURM_RELAY_MAX": "2"})
-    held = []
+    t = up("--time=5", "--app", "server")
+    url = t.wait_url(120)
+    token, port = token_of(url), port_of(url)
+    job = job_of(t)
+    base = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"token {token}"}
+
+    def relay_steps():
+        out = cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%j").stdout.split()
+        return out.count("jupyter-relay")
+
+    held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(5)]
     try:
-        url = t.wait_url(120)
-        token, port = token_of(url), port_of(url)
-        job = job_of(t)
-
-        def relay_steps():
-            out = cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%j").stdout.split()
-            return out.count("jupyter-relay")
-
-        # The readiness probe's relay has ended; two idle connections take both slots.
-        assert wait_until(lambda: relay_steps() == 0, 30)
-        for _ in range(2):
-            held.append(socket.create_connection(("127.0.0.1", port), timeout=10))
-        assert wait_until(lambda: relay_steps() == 2, 30), relay_steps()
-        third = socket.create_connection(("127.0.0.1", port), timeout=30)
-        third.sendall(f"GET /api/status HTTP/1.0\r\nAuthorization: token {token}\r\n\r\n".encode())
-        third.settimeout(3)
-        with pytest.raises(socket.timeout):
-            third.recv(1)  # no slot: it waits
-        assert relay_steps() == 2
-        assert "2 connections are open through relay job steps" in t.stderr, t.stderr
-        assert t.stderr.count("connections are open through relay job steps") == 1
-        held.pop().close()
-        third.settimeout(30)
-        answer = b""
-        while chunk := third.recv(65536):
-            answer += chunk
-        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
-        third.close()
-        assert relay_steps() <= 2
-        for s in held:
-            s.close()
-        assert t.interrupt_and_wait(60) == EXIT["ok"], t.stderr
-        assert cluster.jobs() == []
+        def get(i):
+            # A fresh connection each (no keep-alive), half-closed by the server's answer.
+            r = requests.get(f"{base}/api/status", headers={**auth, "Connection": "close"},
+                             timeout=60)
+            return r.status_code
+        with ThreadPoolExecutor(12) as pool:
+            codes = list(pool.map(get, range(24)))
+        assert codes == [200] * 24, codes
+        kid = start_kernel(base, token)
+        ws = websocket.create_connection(f"ws://127.0.0.1:{port}/api/kernels/{kid}/channels",
+                                         header=[f"Authorization: token {token}"], timeout=60)
+        try:
+            out, reply = execute(ws, "print('y' * 300000)")
+        finally:
+            ws.close()
+        assert reply["status"] == "ok" and out.strip() == "y" * 300000
+        assert relay_steps() == 1
     finally:
-        for s in held:
-            s.close()
-        t.kill()
-        if cluster.jobs():
-            cluster.run("scancel", "--partition=debug", check=False)
-            cluster.wait_no_jobs(20)
+        for h in held:
+            h.close()
+    assert "relay step ended" not in t.stderr, t.stderr
+    assert t.interrupt_and_wait(60) == EXIT["ok"], t.stderr
+    assert cluster.jobs() == []

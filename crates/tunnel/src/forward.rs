@@ -7,16 +7,15 @@
 //! that retries during an outage succeeds once the tunnel is back.
 
 use std::net::{Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::connect::Handle;
 use crate::exit::{Exit, HasExit};
-use crate::remote;
+use crate::relay::Relay;
 
 /// How far past the preferred port to look for a free one.
 const PORT_SEARCH: u16 = 100;
@@ -80,59 +79,10 @@ pub type Session = watch::Receiver<Option<Arc<Handle>>>;
 pub enum Way {
     /// A direct-tcpip channel to 127.0.0.1:port on the session's host.
     Direct(u16),
-    /// An exec channel running [`remote::EXEC_COMMAND`] that is handed
-    /// `script` as its first stdin line: a script that relays the rest of
-    /// its stdin/stdout to Jupyter (`tunnel up --slurm` where ssh to the
-    /// job's node is closed: a relay job step started from the login node).
-    /// At most `limit` of them run at once: each is a job step and an SSH
-    /// channel; later connections wait for a free slot.
-    Exec {
-        script: String,
-        limit: Arc<RelayLimit>,
-    },
-}
-
-impl Way {
-    /// [`Way::Exec`] with at most `max` relays at once.
-    pub fn relay(script: String, max: usize) -> Way {
-        Way::Exec {
-            script,
-            limit: Arc::new(RelayLimit {
-                slots: Arc::new(Semaphore::new(max.max(1))),
-                max: max.max(1),
-                warned: AtomicBool::new(false),
-            }),
-        }
-    }
-}
-
-/// The cap on concurrent relays ([`Way::Exec`]).
-#[derive(Debug)]
-pub struct RelayLimit {
-    slots: Arc<Semaphore>,
-    max: usize,
-    /// Said once per time the cap is reached, not once per waiting connection.
-    warned: AtomicBool,
-}
-
-impl RelayLimit {
-    /// A slot for one more relay, waiting (after saying why) while all are taken.
-    async fn acquire(&self) -> Option<OwnedSemaphorePermit> {
-        if let Ok(p) = self.slots.clone().try_acquire_owned() {
-            self.warned.store(false, Ordering::Relaxed);
-            return Some(p);
-        }
-        if !self.warned.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                "{} connections are open through relay job steps, the most tunnel runs at once \
-                 (TUNNEL_SLURM_RELAY_MAX); new connections wait until one closes. Close unused \
-                 notebook tabs, or let tunnel ssh to the node (a Host block for it in your ssh \
-                 config) to forward without relays.",
-                self.max
-            );
-        }
-        self.slots.clone().acquire_owned().await.ok()
-    }
+    /// Through the tunnel's relay (`tunnel up --slurm` where ssh to the
+    /// job's node is closed): one job step on the node that carries every
+    /// connection, multiplexed over one exec channel of the login session.
+    Relay(Arc<Relay>),
 }
 
 /// Accept connections forever, forwarding each to Jupyter `way` (usually
@@ -158,14 +108,6 @@ pub fn serve(listener: TcpListener, session: Session, way: Way) -> JoinHandle<()
                     Err(_) => return, // the tunnel is shutting down
                 };
                 let Some(handle) = handle else { return };
-                // Held until this connection's relay has ended.
-                let _slot = match &way {
-                    Way::Exec { limit, .. } => match limit.acquire().await {
-                        Some(p) => Some(p),
-                        None => return,
-                    },
-                    Way::Direct(_) => None,
-                };
                 if let Err(e) = forward_one(tcp, peer, &handle, &way).await {
                     tracing::debug!("connection from {peer}: {e}");
                 }
@@ -181,34 +123,24 @@ async fn forward_one(
     way: &Way,
 ) -> Result<(), String> {
     tcp.set_nodelay(true).map_err(|e| e.to_string())?;
-    let channel = match way {
-        Way::Direct(remote_port) => handle
-            .channel_open_direct_tcpip(
-                "127.0.0.1",
-                u32::from(*remote_port),
-                peer.ip().to_string(),
-                u32::from(peer.port()),
-            )
-            .await
-            .map_err(|e| {
-                tracing::warn!(
-                    "cannot open a forwarding channel to the remote port {remote_port}: {e}"
-                );
-                e.to_string()
-            })?,
-        Way::Exec { script, .. } => {
-            let open = async {
-                let channel = handle.channel_open_session().await?;
-                channel.exec(true, remote::EXEC_COMMAND).await?;
-                channel.data(remote::escape_line(script).as_bytes()).await?;
-                Ok::<_, russh::Error>(channel)
-            };
-            open.await.map_err(|e| {
-                tracing::warn!("cannot start a relay to Jupyter: {e}");
-                e.to_string()
-            })?
-        }
+    let remote_port = match way {
+        Way::Direct(port) => *port,
+        Way::Relay(relay) => return relay.forward(tcp, handle).await,
     };
+    let channel = handle
+        .channel_open_direct_tcpip(
+            "127.0.0.1",
+            u32::from(remote_port),
+            peer.ip().to_string(),
+            u32::from(peer.port()),
+        )
+        .await
+        .map_err(|e| {
+            tracing::warn!(
+                "cannot open a forwarding channel to the remote port {remote_port}: {e}"
+            );
+            e.to_string()
+        })?;
     let mut stream = channel.into_stream();
     let (up, down) =
         tokio::io::copy_bidirectional_with_sizes(&mut tcp, &mut stream, COPY_BUF, COPY_BUF)
@@ -221,24 +153,6 @@ async fn forward_one(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[tokio::test]
-    async fn relays_beyond_the_cap_wait_for_a_free_slot() {
-        let Way::Exec { limit, .. } = Way::relay("true".into(), 2) else {
-            panic!("a relay");
-        };
-        let a = limit.acquire().await.expect("slot 1");
-        let _b = limit.acquire().await.expect("slot 2");
-        let waiting = tokio::spawn({
-            let limit = limit.clone();
-            async move { limit.acquire().await.is_some() }
-        });
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        assert!(!waiting.is_finished(), "a third relay must wait");
-        assert!(limit.warned.load(Ordering::Relaxed), "and say why");
-        drop(a);
-        assert!(waiting.await.expect("joins"), "a freed slot is taken");
-    }
 
     #[tokio::test]
     async fn busy_port_is_reported_and_skipped() {

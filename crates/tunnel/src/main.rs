@@ -14,6 +14,7 @@ mod known_hosts;
 mod manage;
 mod probe;
 mod prompt;
+mod relay;
 mod remote;
 mod route;
 mod sanitize;

@@ -524,39 +524,71 @@ pub fn srun_wrapper(job: &str, node: &str) -> String {
     )
 }
 
-/// The relay a job step runs where ssh to the node is closed: one local
-/// connection's bytes between its stdin/stdout and Jupyter on the node's
-/// 127.0.0.1 (`python3 -c RELAY PORT`). Half-closes are passed on, so HTTP
-/// and websockets end as they would over a direct channel.
-const RELAY_PY: &str = r#"import os, socket, sys, threading
-s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
-def up():
+/// The relay a job step runs where ssh to the node is closed: every
+/// forwarded connection, multiplexed over its stdin/stdout (framing in
+/// [`crate::relay`]), to Jupyter on the node's 127.0.0.1
+/// (`python3 -c RELAY PORT`). Half-closes are passed on, so HTTP and
+/// websockets end as they would over a direct channel. stdin's end (the
+/// tunnel is gone) ends it.
+pub const RELAY_PY: &str = r#"import os, socket, struct, sys, threading
+port = int(sys.argv[1])
+lock = threading.Lock()
+socks = {}
+def send(kind, cid, data=b""):
+    v = memoryview(struct.pack(">cII", kind, cid, len(data)) + data)
+    with lock:
+        while v:
+            v = v[os.write(1, v):]
+def pump(cid, s):
     try:
         while True:
-            d = os.read(0, 65536)
+            d = s.recv(65536)
             if not d:
                 break
-            s.sendall(d)
+            send(b"D", cid, d)
+        send(b"E", cid)
     except OSError:
-        pass
-    try:
-        s.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
-threading.Thread(target=up, daemon=True).start()
-while True:
-    d = s.recv(65536)
-    if not d:
+        send(b"C", cid)
+buf = bytearray()
+def fill(n):
+    while len(buf) < n:
+        d = os.read(0, 262144)
+        if not d:
+            return False
+        buf.extend(d)
+    return True
+while fill(9):
+    kind, cid, n = struct.unpack(">cII", bytes(buf[:9]))
+    if not fill(9 + n):
         break
-    v = memoryview(d)
-    while v:
-        v = v[os.write(1, v):]
+    data = bytes(buf[9:9 + n])
+    del buf[:9 + n]
+    s = socks.get(cid)
+    try:
+        if kind == b"O":
+            s = socket.create_connection(("127.0.0.1", port))
+            socks[cid] = s
+            threading.Thread(target=pump, args=(cid, s), daemon=True).start()
+        elif s is None:
+            continue
+        elif kind == b"D":
+            s.sendall(data)
+        elif kind == b"E":
+            s.shutdown(socket.SHUT_WR)
+        elif kind == b"C":
+            del socks[cid]
+            s.close()
+    except OSError:
+        socks.pop(cid, None)
+        if s is not None:
+            s.close()
+        send(b"C", cid)
 "#;
 
 /// The script (run by `/bin/sh` on the login node, the rest of its stdin
-/// being the connection's bytes) that relays one connection to Jupyter on
-/// `port` of `node` through a job step: the fallback where ssh to the node
-/// is closed. `--unbuffered`: srun would otherwise hold output back until a
+/// being the relay's frames) that starts the relay as a step of `job` on
+/// `node`, for Jupyter on its `port`: the fallback where ssh to the node is
+/// closed. `--unbuffered`: srun would otherwise hold output back until a
 /// newline, which binary traffic may never send.
 pub fn relay_wrapper(job: &str, node: &str, port: u16) -> String {
     let finder = "for p in python3 python; do command -v \"$p\" >/dev/null 2>&1 && \
@@ -568,30 +600,6 @@ pub fn relay_wrapper(job: &str, node: &str, port: u16) -> String {
         remote::sh_quote(finder),
         remote::sh_quote(RELAY_PY)
     )
-}
-
-/// How many relays (job steps, each with an SSH channel) may run at once by
-/// default: a JupyterLab page holds about six HTTP connections plus one
-/// websocket per open notebook or terminal.
-pub const RELAY_MAX: usize = 32;
-/// The most `TUNNEL_SLURM_RELAY_MAX` may ask for.
-const RELAY_MAX_LIMIT: usize = 1024;
-
-/// The relay cap: `TUNNEL_SLURM_RELAY_MAX` (1 to 1024) if set, else [`RELAY_MAX`].
-pub fn relay_max() -> usize {
-    let Some(raw) = std::env::var_os("TUNNEL_SLURM_RELAY_MAX") else {
-        return RELAY_MAX;
-    };
-    match raw.to_str().and_then(|s| s.trim().parse::<usize>().ok()) {
-        Some(n) if (1..=RELAY_MAX_LIMIT).contains(&n) => n,
-        _ => {
-            tracing::warn!(
-                "TUNNEL_SLURM_RELAY_MAX={}: not a number from 1 to {RELAY_MAX_LIMIT}; using {RELAY_MAX}",
-                raw.to_string_lossy()
-            );
-            RELAY_MAX
-        }
-    }
 }
 
 /// scancel the job and wait (up to about 40 s) until squeue no longer lists

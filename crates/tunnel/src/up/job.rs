@@ -15,6 +15,7 @@ use super::{interruptible, now_secs, Up, UpError};
 use crate::config::{self, Target};
 use crate::connect::Handle;
 use crate::forward;
+use crate::relay::Relay;
 use crate::remote::Launcher;
 use crate::route;
 use crate::signals::Interrupts;
@@ -118,10 +119,11 @@ impl JobContext<'_> {
         let remote = Remote::ready(launcher, token, state, signals, deadline, args.timeout).await?;
         let way = match &node_handle {
             Some(_) => forward::Way::Direct(remote.port),
-            None => forward::Way::relay(
-                slurm::relay_wrapper(job, &node, remote.port),
-                slurm::relay_max(),
-            ),
+            None => forward::Way::Relay(Arc::new(Relay::new(slurm::relay_wrapper(
+                job,
+                &node,
+                remote.port,
+            )))),
         };
         let forward_session = node_handle.clone().unwrap_or_else(|| self.login.clone());
         let (session_tx, session_rx) = watch::channel(Some(forward_session));
@@ -212,10 +214,10 @@ impl JobContext<'_> {
             Ok(h) => Some(Arc::new(h)),
             Err(e) => {
                 tracing::warn!(
-                    "cannot ssh to {node} through {host}: {e}\n  relaying through job \
-                     steps instead (srun on {host}: each new connection takes a moment \
-                     longer). If `ssh {node}` works from {host}, a Host block for {node} \
-                     in your ssh config can set its HostName, Port, User or keys."
+                    "cannot ssh to {node} through {host}: {e}\n  relaying through a job \
+                     step instead (srun on {host}; one step carries every connection). If \
+                     `ssh {node}` works from {host}, a Host block for {node} in your ssh \
+                     config can set its HostName, Port, User or keys."
                 );
                 None
             }
