@@ -340,11 +340,14 @@ def main() -> int:
         data = [o for o in outputs if o["msg_type"] == "execute_result"][-1]["content"]["data"]
         v = data["application/json"]
         return {"max_batch": v["max_batch"], "recommended": v["recommended"],
-                "trials": len(v["trials"]), "seconds": v["elapsed_ms"] / 1000,
+                # The search's trials and those that ran the recommendation itself.
+                "trials": len(v["trials"]) + len((v.get("confirmation") or {}).get("failed", []))
+                + int(bool((v.get("confirmation") or {}).get("batch"))), "seconds": v["elapsed_ms"] / 1000,
                 "wall_seconds": time.time() - t0, "loss": v["assumptions"]["loss"],
                 "precision": v["assumptions"]["precision"],
                 "optimizer": v["assumptions"]["optimizer"], "limit": v["limit_bytes"],
-                "held": v.get("held"), "trial_ms": v.get("trial_ms"), "trial_list": [[t["batch"], t["outcome"]["result"],
+                "held": v.get("held"), "trial_ms": v.get("trial_ms"),
+                "confirmation": v.get("confirmation"), "trial_list": [[t["batch"], t["outcome"]["result"],
                                                         t["outcome"].get("peak"),
                                                         t["outcome"].get("reserved")]
                                                        for t in v["trials"]]}

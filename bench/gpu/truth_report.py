@@ -26,7 +26,8 @@ def main(path):
           "probe started as the user's training starts (the optimizer without state) for 3 "
           "steps. `ok@rec` / `ok@max`: steps of that loop (of 30) at our recommendation and at "
           "our maximum, from a fresh optimizer. Baseline: the same magic with "
-          "`--search double-bisect` (Lightning's algorithm on the same step).\n")
+          "`--search double-bisect` (Lightning's finder with its defaults on the same step: from 2, "
+          "doubling, bisecting to the exact maximum).\n")
     if "interrupt" in d:
         print(f"Interrupt in the middle of a search: {json.dumps(d['interrupt'])}\n")
     cols = ["model", "engine", "max", "rec", "true", "max/true", "ok@rec", "ok@max", "trials",
@@ -62,6 +63,14 @@ def main(path):
     print(f"- trials: median {statistics.median(trials):g}, at most {max(trials)} "
           "(targets 6 and 10)")
     print(f"- time at most 1/3 of the baseline's: {len(fast)} of {n}")
+    timed = [r for r in python_rows if r.get("baseline_seconds")]
+    if timed:
+        ours = sum(r["seconds"] for r in timed)
+        base = sum(r["baseline_seconds"] for r in timed)
+        ratios = sorted(r["time_vs_baseline"] for r in timed)
+        print(f"- time over all {len(timed)} rows: {ours:.1f} s vs the baseline's {base:.1f} s "
+              f"({ours / base:.2f}); per row median {statistics.median(ratios):.2f}, "
+              f"at most {ratios[-1]:.2f}")
 
 
 if __name__ == "__main__":

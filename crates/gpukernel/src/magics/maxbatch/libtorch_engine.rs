@@ -333,5 +333,6 @@ fn findings(
         notes,
         margin_percent: args.margin,
         throughput: None,
+        confirmation: None,
     }
 }

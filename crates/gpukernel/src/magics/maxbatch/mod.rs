@@ -169,9 +169,15 @@ pub(super) struct Args {
     /// Largest batch worth trying.
     #[arg(long, value_name = "N", default_value_t = 65536)]
     pub(super) max: u64,
-    /// Search to the exact sample instead of within 1% (a few more trials near the limit).
+    /// Search to the exact sample instead of within 1.5% (a few more trials near the limit).
     #[arg(long)]
     pub(super) exact: bool,
+    /// Skip running the recommendation itself once the search is done (python engine). The
+    /// confirming trial costs about one trial at the limit; without it the recommendation is
+    /// only implied by the maximum, and the allocator's fragmentation can make a smaller batch
+    /// fail where a larger one fits.
+    #[arg(long)]
+    pub(super) no_confirm: bool,
     /// Also time training at batch sizes up to the recommendation and recommend the fastest.
     #[arg(long)]
     pub(super) throughput: bool,

@@ -3,7 +3,9 @@
 //! here. A session guard closes the Python side whatever happens, so the user's state is put
 //! back and the private module removed even after an error or an interrupt.
 
-use super::report::{Assumptions, Card, EngineKind, Findings, Held, Line, Live, Throughput};
+use super::report::{
+    Assumptions, Card, Confirmation, EngineKind, Findings, Held, Line, Live, Throughput,
+};
 use super::{Args, SearchKind};
 use crate::magics::python::{module_call_expression, Bound, EvalError, PythonKernel};
 use crate::magics::{MagicContext, MagicError, Output};
@@ -321,11 +323,19 @@ pub(super) fn run(
         SearchKind::Fit => search::search(&config, probe),
         SearchKind::DoubleBisect => search::lightning(&config, probe),
     };
-    match &result.stopped {
-        Some(Stop::Cancelled) => return Err(MagicError::interrupted()),
-        Some(Stop::Failed(why)) => return Err(MagicError::new("MaxBatchError", why.clone())),
-        None => {}
+    if let Some(stop) = result.stopped.clone() {
+        return Err(stop_error(stop));
     }
+    let confirmation = match (args.no_confirm, args.search, result.max_fit) {
+        (false, SearchKind::Fit, Some(max)) => Some(confirm(
+            &session,
+            &live,
+            Candidates::below(max, args.margin / 100.0),
+            (limit, held_before),
+            trial_limit,
+        )?),
+        _ => None,
+    };
     let mut findings = Findings {
         model: spec.target.clone(),
         search: result,
@@ -345,6 +355,7 @@ pub(super) fn run(
         notes: notes(&prepared),
         margin_percent: args.margin,
         throughput: None,
+        confirmation,
     };
     if args.throughput {
         findings.throughput = Some(throughput(&session, &live, &findings, trial_limit)?);
@@ -363,6 +374,85 @@ pub(super) fn run(
         args.json,
     ));
     Ok(())
+}
+
+fn stop_error(stop: Stop) -> MagicError {
+    match stop {
+        Stop::Cancelled => MagicError::interrupted(),
+        Stop::Failed(why) => MagicError::new("MaxBatchError", why),
+    }
+}
+
+/// Tries the recommendation gets before the search gives up on one.
+const CONFIRM_TRIES: usize = 3;
+
+/// The batches the recommendation is confirmed among: the recommendation for `max`, then the
+/// next multiple of 8 below (or the next batch, under 16).
+struct Candidates {
+    next: Option<u64>,
+}
+
+impl Candidates {
+    fn below(max: u64, margin: f64) -> Self {
+        Self {
+            next: Some(search::recommend(max, margin)).filter(|&b| b > 0),
+        }
+    }
+}
+
+impl Iterator for Candidates {
+    type Item = u64;
+    fn next(&mut self) -> Option<u64> {
+        let current = self.next?;
+        let lower = if current > 16 {
+            (current - 1) / 8 * 8
+        } else {
+            current - 1
+        };
+        self.next = Some(lower).filter(|&b| b > 0);
+        Some(current)
+    }
+}
+
+/// Runs the recommendation as a trial of its own (as the user's training starts: the state
+/// put back, the optimizer without state): a batch below one that fits can still fail where
+/// the allocator's fragmentation depends on the exact sizes (a checkpointed GPT on an H200:
+/// 64 failed where 69 to 76 fitted, maxbatch-truth-2026-12-03).
+fn confirm(
+    session: &Session,
+    live: &Live,
+    candidates: Candidates,
+    (limit, held_before): (u64, u64),
+    trial_limit: Duration,
+) -> Result<Confirmation, MagicError> {
+    let mut confirmation = Confirmation {
+        batch: None,
+        failed: Vec::new(),
+        steps: STEPS_PER_TRIAL,
+        ms: 0.0,
+    };
+    for batch in candidates.take(CONFIRM_TRIES) {
+        let reply =
+            trial(session, live, batch, STEPS_PER_TRIAL, 0, trial_limit).map_err(stop_error)?;
+        let outcome = outcome(&reply, batch, held_before).map_err(stop_error)?;
+        let fits = matches!(outcome, Outcome::Ran { peak, .. } if peak <= limit);
+        live.show(Line::Trial {
+            batch,
+            outcome,
+            fits,
+            ms: reply.ms,
+        });
+        confirmation.ms += reply.ms;
+        if session.ctx.cancel.is_cancelled() {
+            return Err(MagicError::interrupted());
+        }
+        if fits {
+            confirmation.batch = Some(batch);
+            break;
+        }
+        confirmation.failed.push(batch);
+    }
+    Ok(confirmation)
 }
 
 /// One trial, shown live while it runs.
@@ -686,6 +776,16 @@ mod tests {
             evalue: "boom".into(),
         });
         assert_eq!(other.into_magic().ename, "MaxBatchError");
+    }
+
+    #[test]
+    fn the_recommendation_steps_down_by_multiples_of_eight() {
+        let tried: Vec<u64> = Candidates::below(76, 0.05).take(CONFIRM_TRIES).collect();
+        assert_eq!(tried, vec![72, 64, 56]);
+        let small: Vec<u64> = Candidates::below(10, 0.05).collect();
+        assert_eq!(small, (1..=9).rev().collect::<Vec<_>>());
+        // 17..=23 step to 16, not 8 below themselves.
+        assert_eq!(Candidates { next: Some(23) }.nth(1), Some(16));
     }
 
     fn reply(text: &str) -> TrialReply {

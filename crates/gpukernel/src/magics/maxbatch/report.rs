@@ -215,13 +215,30 @@ pub(super) struct Findings {
     pub(super) notes: Vec<String>,
     pub(super) margin_percent: f64,
     pub(super) throughput: Option<Throughput>,
+    /// The recommendation run as a trial of its own (python engine, unless `--no-confirm`).
+    pub(super) confirmation: Option<Confirmation>,
+}
+
+/// The trials that ran the recommendation itself, from the state the user's training starts in.
+#[derive(Debug, Clone, Serialize)]
+pub(super) struct Confirmation {
+    /// The batch that ran (`None`: none of the candidates did).
+    pub(super) batch: Option<u64>,
+    /// Candidates below the maximum that ran out of memory first, largest first.
+    pub(super) failed: Vec<u64>,
+    pub(super) steps: u32,
+    pub(super) ms: f64,
 }
 
 impl Findings {
     pub(super) fn recommended(&self) -> Option<u64> {
-        self.search
-            .max_fit
-            .map(|m| gpuprobe::search::recommend(m, self.margin_percent / 100.0))
+        match &self.confirmation {
+            Some(c) => c.batch,
+            None => self
+                .search
+                .max_fit
+                .map(|m| gpuprobe::search::recommend(m, self.margin_percent / 100.0)),
+        }
     }
 }
 
@@ -232,7 +249,7 @@ pub(super) fn summary(f: &Findings) -> Bundle {
     let accuracy = if search.exact {
         String::new()
     } else if search.settled {
-        " (within 1%: --exact for the last sample)".to_string()
+        " (within 1.5%: --exact for the last sample)".to_string()
     } else {
         " (not confirmed: trial budget reached)".to_string()
     };
@@ -243,12 +260,20 @@ pub(super) fn summary(f: &Findings) -> Bundle {
             f.margin_percent,
             if rec % 8 == 0 && rec >= 16 { ", multiple of 8" } else { "" },
         ),
+        (Some(max), None) => format!(
+            "%maxbatch {}: largest batch that fits: {max}{accuracy}; no recommendation: the \
+             batches below it that were run did not fit (see below)\n",
+            f.model,
+        ),
         _ => format!(
             "%maxbatch {}: not even a batch of 1 fits in {}.\n",
             f.model,
             human_bytes(f.limit)
         ),
     };
+    if let Some(c) = &f.confirmation {
+        text.push_str(&confirmation_line(c, search.max_fit));
+    }
     if let Some(t) = &f.throughput {
         for (batch, speed) in &t.points {
             let speed = speed.map_or("out of memory".to_string(), |v| format!("{v:.0} samples/s"));
@@ -330,9 +355,37 @@ pub(super) fn summary(f: &Findings) -> Bundle {
         "throughput": f.throughput.as_ref().map(|t| json!({"points": t.points, "fastest": t.best})),
         "trials": search.trials, "stopped": search.stopped, "trial_ms": f.trial_ms,
         "trial_reserved": f.trial_reserved, "elapsed_ms": f.elapsed_ms, "notes": f.notes,
+        "confirmation": f.confirmation,
     });
     data.insert("application/json".into(), value);
     data
+}
+
+/// What running the recommendation showed.
+fn confirmation_line(c: &Confirmation, max: Option<u64>) -> String {
+    let failed = c
+        .failed
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let fragmented = format!(
+        "  {failed} ran out of memory although {} fits: the allocator's fragmentation, which \
+         depends on the exact tensor sizes; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+         (set before torch starts) makes memory grow with the batch again\n",
+        max.map_or("a larger batch".to_string(), |m| m.to_string())
+    );
+    match (c.batch, c.failed.is_empty()) {
+        (Some(batch), true) => format!(
+            "  confirmed: {} steps at batch {batch} ran from a fresh optimizer ({:.0} ms)\n",
+            c.steps, c.ms
+        ),
+        (Some(batch), false) => format!(
+            "{fragmented}  confirmed instead: {} steps at batch {batch} ran from a fresh optimizer\n",
+            c.steps
+        ),
+        (None, _) => fragmented,
+    }
 }
 
 /// Peak memory against batch size: trials, the fitted line and the limit, as inline SVG.
@@ -461,7 +514,49 @@ mod tests {
             notes: vec![],
             margin_percent: 5.0,
             throughput: None,
+            confirmation: None,
         }
+    }
+
+    #[test]
+    fn a_confirmed_recommendation_is_the_one_shown_and_a_step_down_says_why() {
+        let mut f = findings();
+        f.confirmation = Some(Confirmation {
+            batch: Some(1616),
+            failed: vec![],
+            steps: 3,
+            ms: 900.0,
+        });
+        let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
+        assert!(
+            text.contains("confirmed: 3 steps at batch 1616 ran"),
+            "{text}"
+        );
+        f.confirmation = Some(Confirmation {
+            batch: Some(1608),
+            failed: vec![1616],
+            steps: 3,
+            ms: 1800.0,
+        });
+        let data = summary(&f);
+        let text = data["text/plain"].as_str().unwrap();
+        assert!(text.contains("recommended: 1608"), "{text}");
+        assert!(
+            text.contains("1616 ran out of memory although 1705 fits"),
+            "{text}"
+        );
+        assert!(text.contains("expandable_segments:True"), "{text}");
+        assert_eq!(data["application/json"]["recommended"], 1608);
+        f.confirmation = Some(Confirmation {
+            batch: None,
+            failed: vec![1616, 1608, 1600],
+            steps: 3,
+            ms: 2700.0,
+        });
+        let data = summary(&f);
+        let text = data["text/plain"].as_str().unwrap();
+        assert!(text.contains("no recommendation"), "{text}");
+        assert!(data["application/json"]["recommended"].is_null());
     }
 
     #[test]
