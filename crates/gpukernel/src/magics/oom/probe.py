@@ -199,6 +199,11 @@ def _model_and_batch(torch, user_ns, tb):
             if value is model and not key.startswith("_"):
                 name = key
                 break
+    else:  # raised outside any forward (backward, optimizer step): the notebook's one model
+        modules = [key for key, value in list(user_ns.items())
+                   if isinstance(value, module_type) and not key.startswith("_")]
+        if len(modules) == 1:
+            name = modules[0]
     model = None
     return name, batch
 
