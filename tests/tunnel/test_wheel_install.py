@@ -130,9 +130,15 @@ def test_pip_installed_wheel_runs_tunnel_up_and_down_without_rust(
     assert r.returncode == 0 and r.stdout.strip() == f"tunnel {VERSION}", r
 
     # `tunnel up` from that venv, with the clean PATH (the harness keeps the rest of the
-    # environment), against the test sshd (key file auth, known_hosts checked: sshd.ssh_config
-    # names both).
-    t = Tunnel(installed, sshd, state_dir, jupyter_prefix, ["--app", "server"], env=env)
+    # environment), against the test sshd: key file auth, known_hosts checked, and the host
+    # named `localhost`, so the static binary's own resolver (musl's: /etc/hosts, then DNS; no
+    # NSS) finds it.
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text(f"[localhost]:{sshd.port} {sshd.host_public_key()}\n")
+    config = tmp_path / "ssh_config"
+    config.write_text(sshd.client_config(HostName="localhost", UserKnownHostsFile=str(known_hosts)))
+    t = Tunnel(installed, sshd, state_dir, jupyter_prefix, ["--app", "server"], env=env,
+               config=config)
     try:
         url = t.wait_url()
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+/\?token=[0-9a-f]{64}", url), url
@@ -147,6 +153,7 @@ def test_pip_installed_wheel_runs_tunnel_up_and_down_without_rust(
         st = json.loads(st.stdout)
         rt, jupyter_pid = st["remote_runtime_dir"], st["remote_pid"]
         assert st["pid"] == t.pid and alive(jupyter_pid)
+        assert "localhost" in t.stderr, t.stderr  # "connecting to root@localhost port N"
 
         r = run_tunnel(installed, state_dir, "down", sshd.alias, env=env)
         assert r.returncode == EXIT["ok"], r.stderr
