@@ -109,6 +109,11 @@ impl ErrorWatch {
 
     /// A child iopub message on its way to the frontend; `None` when it is held back here.
     pub fn on_iopub(&self, message: RawMessage) -> Option<RawMessage> {
+        // Most iopub traffic is output (streams, displays): skip it without parsing.
+        let interesting = |needle: &[u8]| message.header.windows(needle.len()).any(|w| w == needle);
+        if !interesting(b"\"error\"") && !interesting(b"\"status\"") {
+            return Some(message);
+        }
         let Ok(header) = message.header_json() else {
             return Some(message);
         };
