@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -138,6 +139,31 @@ def test_torch_newer_than_the_driver(tmp_path):
     shown = [m for m in outputs if m["msg_type"] == "display_data"][0]["content"]["data"]
     assert "[PROBLEM] cuda_driver" in shown["text/plain"]
     assert "gpukernel-envcheck" in shown["text/html"]
+
+
+def test_pip_torch_over_condas_and_a_conda_export(tmp_path):
+    """A conda-style prefix (conda-meta records pytorch) whose torch was installed by pip."""
+    env = torch_venv(tmp_path, "condaenv")
+    meta = env / "conda-meta"
+    meta.mkdir()
+    (meta / "pytorch-2.5.1-py3.11_cuda12.1_0.json").write_text(json.dumps(
+        {"name": "pytorch", "version": "2.5.1", "build": "py3.11_cuda12.1_0",
+         "channel": "https://conda.anaconda.org/pytorch/linux-64"}))
+    (meta / "python-3.11.7-h0.json").write_text(json.dumps(
+        {"name": "python", "version": "3.11.7", "build": "h0",
+         "channel": "https://conda.anaconda.org/conda-forge/linux-64"}))
+    exported = tmp_path / "environment.yml"
+    with running_kernel("gpu-magics", env=env_for(env)) as (km, kc):
+        r = report(kc, f"%envcheck --json --export {exported}")
+    assert r["env"]["kind"] == "conda"
+    found = problems(r)["conda_pip_torch"]
+    assert "pytorch 2.5.1" in found["summary"] and "torch 2.11.0" in found["summary"]
+    assert "conda install --force-reinstall pytorch" in found["fix"]
+    text = exported.read_text()
+    channels = text.split("channels:\n")[1].split("dependencies:")[0]
+    assert sorted(channels.split()) == ["-", "-", "conda-forge", "pytorch"], text
+    assert "  - pytorch=2.5.1\n" in text and "  - python=3.11.7\n" in text
+    assert "  - pip:\n" in text
 
 
 def freeze(venv: Path) -> list[str]:

@@ -279,3 +279,45 @@ impl Magic for Oom {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::magics::bundle;
+
+    struct Nowhere;
+    impl OutputSink for Nowhere {
+        fn emit(&self, _: Output) {}
+        fn detach(&self) -> Arc<dyn OutputSink> {
+            Arc::new(Nowhere)
+        }
+    }
+
+    #[test]
+    fn maxbatch_results_seen_through_the_tee_are_remembered() {
+        let notes = Notes::default();
+        let tee = Tee {
+            inner: &Nowhere,
+            notes: &notes,
+        };
+        let mut data = bundle("progress", None);
+        tee.emit(Output::Display {
+            data: data.clone(),
+            display_id: Some("x".into()),
+        });
+        data.insert(
+            "application/json".into(),
+            json!({"model": "net", "max_batch": 100, "recommended": 96}),
+        );
+        tee.emit(Output::Result { data });
+        let inner = notes.lock();
+        assert_eq!(
+            inner.maxbatch,
+            vec![MaxBatchNote {
+                model: "net".into(),
+                max_batch: Some(100),
+                recommended: Some(96)
+            }]
+        );
+    }
+}
