@@ -22,6 +22,14 @@ def status_json(tunnel_bin, state_dir, host):
     return json.loads(r.stdout)
 
 
+def parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 def token_hits(token: str) -> list[tuple[int, str, bytes]]:
     """(pid, where, command line) of every process holding the token in its
     environment or argv."""
@@ -58,8 +66,10 @@ def test_the_token_is_in_no_environment_and_no_command_line(
     term = r.json()["name"]
 
     def terminal_pids():
+        # The terminal's shell is Jupyter's child (terminado forks it); its own short-lived
+        # children (a bashrc's commands) come and go, so they are not what is checked below.
         return [p for p in set(processes_of_runtime_dir(rt)) - before
-                if p not in kernel_pids(rt)]
+                if parent(p) == jupyter_pid and p not in kernel_pids(rt)]
     assert wait_until(terminal_pids, 30), "no terminal process"
     kernels, terminals = kernel_pids(rt), terminal_pids()
 
