@@ -252,69 +252,59 @@ impl HostKeyPolicy {
                 fingerprint,
                 at,
             }),
-            Lookup::Unknown => {
-                if self.strict == StrictHostKeyChecking::AcceptNew {
-                    if let Some(refusal) = self.refusal_if_certified(&key_type, &fingerprint)? {
-                        return Err(refusal);
-                    }
-                }
-                let accept = match self.strict {
-                    StrictHostKeyChecking::AcceptNew | StrictHostKeyChecking::No => true,
-                    StrictHostKeyChecking::Yes => {
-                        return Err(HostKeyError::Unknown {
-                            name: self.name.clone(),
-                            key_type,
-                            fingerprint,
-                            reason: "StrictHostKeyChecking is yes".into(),
-                        })
-                    }
-                    StrictHostKeyChecking::Ask => {
-                        let question = format!(
-                            "The authenticity of host '{}' can't be established.\n\
-                             {key_type} key fingerprint is {fingerprint}.\n\
-                             Are you sure you want to continue connecting (yes/no/[fingerprint])? ",
-                            self.name
-                        );
-                        let expected = fingerprint.clone();
-                        match prompt::ask(question).await {
-                            Some(answer) => {
-                                let a = answer.trim();
-                                a.eq_ignore_ascii_case("yes") || a == expected
-                            }
-                            None => {
-                                return Err(HostKeyError::Unknown {
-                                    name: self.name.clone(),
-                                    key_type,
-                                    fingerprint,
-                                    reason: "There is no terminal to confirm it on".into(),
-                                })
-                            }
-                        }
-                    }
-                };
-                if !accept {
-                    return Err(HostKeyError::Unknown {
-                        name: self.name.clone(),
-                        key_type,
-                        fingerprint,
-                        reason: "You did not confirm it".into(),
-                    });
-                }
-                let file = self
-                    .known_hosts
-                    .learn(&self.name, key, self.hash_new_entries)?;
-                tracing::warn!(
-                    "permanently added {} ({key_type} {fingerprint}) to {}",
-                    self.name,
-                    file.display()
-                );
-                Ok(())
-            }
+            Lookup::Unknown => self.verify_new(key, key_type, fingerprint).await,
         }
     }
-}
 
-impl HostKeyPolicy {
+    /// A key nothing is recorded for: refused, confirmed at the terminal, or
+    /// accepted as StrictHostKeyChecking says; recorded when accepted.
+    async fn verify_new(
+        &self,
+        key: &PublicKey,
+        key_type: String,
+        fingerprint: String,
+    ) -> Result<(), HostKeyError> {
+        if self.strict == StrictHostKeyChecking::AcceptNew {
+            if let Some(refusal) = self.refusal_if_certified(&key_type, &fingerprint)? {
+                return Err(refusal);
+            }
+        }
+        let refused = |reason: &str| HostKeyError::Unknown {
+            name: self.name.clone(),
+            key_type: key_type.clone(),
+            fingerprint: fingerprint.clone(),
+            reason: reason.into(),
+        };
+        match self.strict {
+            StrictHostKeyChecking::AcceptNew | StrictHostKeyChecking::No => {}
+            StrictHostKeyChecking::Yes => return Err(refused("StrictHostKeyChecking is yes")),
+            StrictHostKeyChecking::Ask => {
+                let question = format!(
+                    "The authenticity of host '{}' can't be established.\n\
+                     {key_type} key fingerprint is {fingerprint}.\n\
+                     Are you sure you want to continue connecting (yes/no/[fingerprint])? ",
+                    self.name
+                );
+                let Some(answer) = prompt::ask(question).await else {
+                    return Err(refused("There is no terminal to confirm it on"));
+                };
+                let a = answer.trim();
+                if !(a.eq_ignore_ascii_case("yes") || a == fingerprint) {
+                    return Err(refused("You did not confirm it"));
+                }
+            }
+        }
+        let file = self
+            .known_hosts
+            .learn(&self.name, key, self.hash_new_entries)?;
+        tracing::warn!(
+            "permanently added {} ({key_type} {fingerprint}) to {}",
+            self.name,
+            file.display()
+        );
+        Ok(())
+    }
+
     /// A host certificate: checked against the `@cert-authority` lines for
     /// this host. Where none covers it, its key is checked as a plain key,
     /// as OpenSSH does ("No matching CA found. Retry with plain key").
