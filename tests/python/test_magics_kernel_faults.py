@@ -127,7 +127,7 @@ def test_errors_name_the_problem_and_the_choices(magics_kernel):
     assert "Usage: %gpumem" in reply["content"]["evalue"]
 
     reply, _ = execute(kc, "%gpuhelp nosuch")
-    assert "possible values: gpuhelp, gpumem, emptycache, maxbatch, echo" in reply["content"]["evalue"]
+    assert "possible values: gpuhelp, gpumem, emptycache, maxbatch, oom, envcheck, echo" in reply["content"]["evalue"]
 
     reply, _ = execute(kc, "x = 1")
     assert "gpu-python" in reply["content"]["evalue"]

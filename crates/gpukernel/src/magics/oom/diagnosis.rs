@@ -306,12 +306,22 @@ pub fn suggest(d: &Diagnosis) -> Vec<Suggestion> {
         .as_deref()
         .is_some_and(|c| c.replace(' ', "").contains("expandable_segments:True"));
 
+    // At the OOM the allocator had already returned its wholly free segments and retried, so
+    // what it still held free then (the message's figure) is memory in pieces: fragmentation
+    // when it would have covered the request. After the cell the failed step's memory is back
+    // in the cache, so today's figures decide only when the message has none.
     let fragmented_at_oom = request > 0 && cached_free_at_oom >= request;
+    let from_message = d.at_oom.reserved_unallocated_at_oom.is_some();
     let fragmented_now = matches!(
         (d.device.reclaimable_bytes, d.device.largest_free_block_bytes),
         (Some(reclaimable), Some(largest)) if request > 0 && reclaimable >= request && largest < request
     );
-    if (fragmented_at_oom || fragmented_now) && !expandable_on {
+    let fragmented = if from_message {
+        fragmented_at_oom
+    } else {
+        fragmented_now
+    };
+    if fragmented && !expandable_on {
         let held = if fragmented_at_oom {
             cached_free_at_oom
         } else {
@@ -551,6 +561,23 @@ mod tests {
         let mut f2 = f.clone();
         f2.alloc_conf = Some("expandable_segments:True".into());
         assert_ne!(kinds(&run(&f2, &[]))[0], "expandable_segments");
+        // Little free in pieces at the OOM: the cache refilled afterwards (the failed step's
+        // memory) is no sign of fragmentation.
+        let mut f3 = facts(
+            "Tried to allocate 1.00 GiB. GPU 0 has a total capacity of 10.00 GiB of which \
+             200.00 MiB is free. ... and 20.00 MiB is reserved by PyTorch but unallocated.",
+        );
+        f3.cuda_initialized = true;
+        f3.devices = vec![AllocatorFacts {
+            index: 0,
+            allocated: GIB,
+            reserved: 8 * GIB,
+            largest_free_block: 512 << 20,
+            ..Default::default()
+        }];
+        assert!(!kinds(&run(&f3, &[])).contains(&"expandable_segments".to_string()));
+        f3.exception.as_mut().unwrap().message = "Tried to allocate 1.00 GiB".into();
+        assert_eq!(kinds(&run(&f3, &[]))[0], "expandable_segments");
     }
 
     #[test]
