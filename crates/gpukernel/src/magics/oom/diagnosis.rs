@@ -577,6 +577,7 @@ mod tests {
         }];
         assert!(!kinds(&run(&f3, &[])).contains(&"expandable_segments".to_string()));
         f3.exception.as_mut().unwrap().message = "Tried to allocate 1.00 GiB".into();
+        f3.current_device = Some(0);
         assert_eq!(kinds(&run(&f3, &[]))[0], "expandable_segments");
     }
 
