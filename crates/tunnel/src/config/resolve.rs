@@ -462,131 +462,24 @@ fn finish(
     let port = opts.port.unwrap_or(22);
     let user = opts.user.clone().unwrap_or_else(|| local.name.clone());
     let host_key_alias = opts.host_key_alias.as_ref().map(|a| a.to_ascii_lowercase());
-    let port_text = port.to_string();
-    let values = Tokens::new()
-        .with(
-            'C',
-            connection_hash(&local.hostname, &host_name, &port_text, &user),
-        )
-        .with('L', short_hostname(&local.hostname))
-        .with('i', local.uid.to_string())
-        .with(
-            'k',
-            host_key_alias
-                .clone()
-                .unwrap_or_else(|| host_arg.to_string()),
-        )
-        .with('l', local.hostname.clone())
-        .with('n', host_arg)
-        .with('p', port_text.clone())
-        .with('d', local.home.to_string_lossy())
-        .with('h', host_name.clone())
-        .with('r', user.clone())
-        .with('u', local.name.clone());
-    let path = |raw: &str, option: &'static str| -> Result<PathBuf, ConfigError> {
-        let invalid = |reason: String| ConfigError::Invalid {
-            option,
-            value: raw.to_string(),
-            reason,
-        };
-        let t = tokens::tilde(raw, local).map_err(invalid)?;
-        Ok(PathBuf::from(
-            tokens::percent_dollar(&t, &values).map_err(invalid)?,
-        ))
+    let x = Expander {
+        values: path_tokens(local, host_arg, &host_name, port, &user, &host_key_alias),
+        local,
     };
-
     let identity_files_explicit = !opts.identity_files.is_empty();
-    let configured_files: Vec<&str> = if identity_files_explicit {
-        opts.identity_files
-            .iter()
-            .map(|f| f.path.as_str())
-            .collect()
-    } else {
-        DEFAULT_IDENTITIES.to_vec()
-    };
-    let identity_files = configured_files
-        .into_iter()
-        .filter(|f| !f.eq_ignore_ascii_case("none"))
-        .map(|f| path(f, "IdentityFile"))
-        .collect::<Result<Vec<_>, _>>()?;
-
-    let user_known_hosts = match &opts.user_known_hosts {
-        Some(files) if is_none(files) => Vec::new(),
-        Some(files) => files
-            .iter()
-            .map(|f| path(f, "UserKnownHostsFile"))
-            .collect::<Result<_, _>>()?,
-        None => ["~/.ssh/known_hosts", "~/.ssh/known_hosts2"]
-            .iter()
-            .map(|f| path(f, "UserKnownHostsFile"))
-            .collect::<Result<_, _>>()?,
-    };
-    // GlobalKnownHostsFile takes `~` but no tokens.
-    let global_known_hosts = match &opts.global_known_hosts {
-        Some(files) if is_none(files) => Vec::new(),
-        Some(files) => files
-            .iter()
-            .map(|f| {
-                tokens::tilde(f, local)
-                    .map(PathBuf::from)
-                    .map_err(|reason| ConfigError::Invalid {
-                        option: "GlobalKnownHostsFile",
-                        value: f.clone(),
-                        reason,
-                    })
-            })
-            .collect::<Result<_, _>>()?,
-        None => vec![
-            PathBuf::from("/etc/ssh/ssh_known_hosts"),
-            PathBuf::from("/etc/ssh/ssh_known_hosts2"),
-        ],
-    };
-
+    let identity_files = x.identity_files(&opts)?;
+    let user_known_hosts = x.user_known_hosts(&opts)?;
+    let global_known_hosts = x.global_known_hosts(&opts)?;
     let identity_agent_setting = opts
         .identity_agent
         .as_deref()
-        .map(|a| path(a, "IdentityAgent").map(|p| p.to_string_lossy().into_owned()))
+        .map(|a| {
+            x.path(a, "IdentityAgent")
+                .map(|p| p.to_string_lossy().into_owned())
+        })
         .transpose()?;
-    let identity_agent = match identity_agent_setting.as_deref() {
-        None | Some("SSH_AUTH_SOCK") => AgentSocket::Env,
-        Some("none") => AgentSocket::Disabled,
-        // `$NAME`: the socket is in that environment variable.
-        Some(v) if v.starts_with('$') && !v.starts_with("${") => match std::env::var_os(&v[1..]) {
-            Some(p) => AgentSocket::Path(PathBuf::from(p)),
-            None => AgentSocket::Disabled,
-        },
-        Some(v) => AgentSocket::Path(PathBuf::from(v)),
-    };
-
-    let jump_tokens = Tokens::new()
-        .with('h', host_name.clone())
-        .with('n', host_arg)
-        .with('p', port_text)
-        .with('r', user.clone());
-    if let Some(last) = opts.jump.as_ref().and_then(|j| j.hops().last()) {
-        // ssh.c: a jump to the target itself, as the same user on the same port.
-        if last.host == host_name
-            && last.port.unwrap_or(22) == port
-            && last.user.as_deref().unwrap_or(&user) == user
-        {
-            return Err(ConfigError::Invalid {
-                option: "ProxyJump",
-                value: last.to_string(),
-                reason: format!("jumphost loop via {}", last.host),
-            });
-        }
-    }
-    let proxy_jump = match &opts.jump {
-        None | Some(Jump::Disabled) => None,
-        Some(j) => Some(
-            j.expand(&jump_tokens)
-                .map_err(|reason| ConfigError::Invalid {
-                    option: "ProxyJump",
-                    value: j.to_string(),
-                    reason,
-                })?,
-        ),
-    };
+    let identity_agent = agent_socket(identity_agent_setting.as_deref());
+    let proxy_jump = proxy_jump(&opts, host_arg, &host_name, port, &user)?;
 
     let server_alive_count_max = alive_count_max(opts.server_alive_count_max, &alias);
     let seconds = |v: Option<u32>| v.filter(|&s| s > 0).map(|s| Duration::from_secs(s.into()));
@@ -618,6 +511,169 @@ fn finish(
         server_alive_count_max,
         proxy_jump,
     })
+}
+
+/// The `%` tokens of the path options (IdentityFile, UserKnownHostsFile,
+/// IdentityAgent), as ssh.c sets them up once the host is final.
+fn path_tokens(
+    local: &LocalUser,
+    host_arg: &str,
+    host_name: &str,
+    port: u16,
+    user: &str,
+    host_key_alias: &Option<String>,
+) -> Tokens {
+    let port_text = port.to_string();
+    Tokens::new()
+        .with(
+            'C',
+            connection_hash(&local.hostname, host_name, &port_text, user),
+        )
+        .with('L', short_hostname(&local.hostname))
+        .with('i', local.uid.to_string())
+        .with(
+            'k',
+            host_key_alias
+                .clone()
+                .unwrap_or_else(|| host_arg.to_string()),
+        )
+        .with('l', local.hostname.clone())
+        .with('n', host_arg)
+        .with('p', port_text)
+        .with('d', local.home.to_string_lossy())
+        .with('h', host_name)
+        .with('r', user)
+        .with('u', local.name.clone())
+}
+
+/// `~`, `%` tokens and `${VAR}` in path options.
+struct Expander<'a> {
+    values: Tokens,
+    local: &'a LocalUser,
+}
+
+impl Expander<'_> {
+    fn path(&self, raw: &str, option: &'static str) -> Result<PathBuf, ConfigError> {
+        let invalid = |reason: String| ConfigError::Invalid {
+            option,
+            value: raw.to_string(),
+            reason,
+        };
+        let t = tokens::tilde(raw, self.local).map_err(invalid)?;
+        Ok(PathBuf::from(
+            tokens::percent_dollar(&t, &self.values).map_err(invalid)?,
+        ))
+    }
+
+    /// The configured IdentityFiles, else OpenSSH's defaults (`none` dropped).
+    fn identity_files(&self, opts: &Options) -> Result<Vec<PathBuf>, ConfigError> {
+        let configured: Vec<&str> = if opts.identity_files.is_empty() {
+            DEFAULT_IDENTITIES.to_vec()
+        } else {
+            opts.identity_files
+                .iter()
+                .map(|f| f.path.as_str())
+                .collect()
+        };
+        configured
+            .into_iter()
+            .filter(|f| !f.eq_ignore_ascii_case("none"))
+            .map(|f| self.path(f, "IdentityFile"))
+            .collect()
+    }
+
+    fn user_known_hosts(&self, opts: &Options) -> Result<Vec<PathBuf>, ConfigError> {
+        let defaults = ["~/.ssh/known_hosts", "~/.ssh/known_hosts2"];
+        match &opts.user_known_hosts {
+            Some(files) if is_none(files) => Ok(Vec::new()),
+            Some(files) => files
+                .iter()
+                .map(|f| self.path(f, "UserKnownHostsFile"))
+                .collect(),
+            None => defaults
+                .iter()
+                .map(|f| self.path(f, "UserKnownHostsFile"))
+                .collect(),
+        }
+    }
+
+    /// GlobalKnownHostsFile takes `~` but no tokens.
+    fn global_known_hosts(&self, opts: &Options) -> Result<Vec<PathBuf>, ConfigError> {
+        let Some(files) = &opts.global_known_hosts else {
+            return Ok(vec![
+                PathBuf::from("/etc/ssh/ssh_known_hosts"),
+                PathBuf::from("/etc/ssh/ssh_known_hosts2"),
+            ]);
+        };
+        if is_none(files) {
+            return Ok(Vec::new());
+        }
+        files
+            .iter()
+            .map(|f| {
+                tokens::tilde(f, self.local)
+                    .map(PathBuf::from)
+                    .map_err(|reason| ConfigError::Invalid {
+                        option: "GlobalKnownHostsFile",
+                        value: f.clone(),
+                        reason,
+                    })
+            })
+            .collect()
+    }
+}
+
+/// Where the agent is, from IdentityAgent (already expanded).
+fn agent_socket(setting: Option<&str>) -> AgentSocket {
+    match setting {
+        None | Some("SSH_AUTH_SOCK") => AgentSocket::Env,
+        Some("none") => AgentSocket::Disabled,
+        // `$NAME`: the socket is in that environment variable.
+        Some(v) if v.starts_with('$') && !v.starts_with("${") => match std::env::var_os(&v[1..]) {
+            Some(p) => AgentSocket::Path(PathBuf::from(p)),
+            None => AgentSocket::Disabled,
+        },
+        Some(v) => AgentSocket::Path(PathBuf::from(v)),
+    }
+}
+
+/// ProxyJump with its tokens expanded; a jump to the target itself is a loop.
+fn proxy_jump(
+    opts: &Options,
+    host_arg: &str,
+    host_name: &str,
+    port: u16,
+    user: &str,
+) -> Result<Option<Jump>, ConfigError> {
+    if let Some(last) = opts.jump.as_ref().and_then(|j| j.hops().last()) {
+        // ssh.c: a jump to the target itself, as the same user on the same port.
+        if last.host == host_name
+            && last.port.unwrap_or(22) == port
+            && last.user.as_deref().unwrap_or(user) == user
+        {
+            return Err(ConfigError::Invalid {
+                option: "ProxyJump",
+                value: last.to_string(),
+                reason: format!("jumphost loop via {}", last.host),
+            });
+        }
+    }
+    let jump_tokens = Tokens::new()
+        .with('h', host_name)
+        .with('n', host_arg)
+        .with('p', port.to_string())
+        .with('r', user);
+    match &opts.jump {
+        None | Some(Jump::Disabled) => Ok(None),
+        Some(j) => j
+            .expand(&jump_tokens)
+            .map(Some)
+            .map_err(|reason| ConfigError::Invalid {
+                option: "ProxyJump",
+                value: j.to_string(),
+                reason,
+            }),
+    }
 }
 
 /// ServerAliveCountMax as tunnel can apply it: to russh 0 means "never give
