@@ -107,6 +107,12 @@ def test_two_torch_through_the_notebooks_own_sys_path():
         before = execute(kc, "print(sorted(globals()), sorted(sys.modules))")[1]
         r = report(kc)
         after = execute(kc, "print(sorted(globals()), sorted(sys.modules))")[1]
+        # --export FILE, relative: in the notebook's working directory (not gpukernel's).
+        reply, _ = execute(kc, f"import os; os.chdir({str(extra_dir)!r})")
+        assert reply["content"]["status"] == "ok"
+        exported = report(kc, "%envcheck --json --export pinned.txt")["export"]
+        assert exported.startswith(f"wrote {extra_dir / 'pinned.txt'} (pinned requirements")
+        assert "torch==2.11.0" in (extra_dir / "pinned.txt").read_text()
     assert r["kernel"] == "gpu-python"
     assert r["session"]["executable"] == sys.executable
     assert str(extra) in r["session"]["sys_path"]
@@ -197,6 +203,15 @@ def test_export_round_trips_through_a_new_venv(tmp_path):
     subprocess.run([str(target / "bin/python"), "-m", "pip", "install", "-q", *local,
                     "-r", str(exported)], check=True, capture_output=True)
     assert freeze(target) == freeze(source) == ["idna==3.10", "six==1.17.0"]
+
+
+def test_no_python_at_all_is_said_plainly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX")}
+    env["PATH"] = str(tmp_path)  # nothing there
+    with running_kernel("gpu-magics", env=env) as (km, kc):
+        r = report(kc)
+    assert r["checked"] == "no python on PATH (magics-only kernel)"
+    assert problems(r)["python"]["summary"] == "no Python to check was found"
 
 
 def test_export_to_an_unwritable_place_is_an_error(tmp_path):

@@ -204,7 +204,7 @@ impl Registry {
         let previous = line[..token_start].split_whitespace().last().unwrap_or("");
         let mut matches: Vec<String> = Vec::new();
         if token.starts_with('-') {
-            for arg in command.get_arguments() {
+            for arg in command.get_arguments().filter(|a| !a.is_hide_set()) {
                 if let Some(long) = arg.get_long() {
                     let flag = format!("--{long}");
                     if flag.starts_with(token) {
@@ -277,6 +277,10 @@ mod tests {
         let code = "%gpuhelp gpu";
         let c = registry.complete(code, code.len()).unwrap();
         assert_eq!(c.matches, vec!["gpuhelp", "gpumem"]);
+
+        // Hidden flags (gpukernel's own, like %oom --after-error) are not offered.
+        let c = registry.complete("%oom --", 7).unwrap();
+        assert_eq!(c.matches, vec!["--json", "--release"]);
 
         assert!(registry.complete("print(1)", 8).is_none());
         assert!(registry.complete("%zzz", 4).is_none());

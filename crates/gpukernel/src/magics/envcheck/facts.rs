@@ -103,6 +103,9 @@ pub struct Freeze {
 pub struct SessionFacts {
     pub executable: String,
     pub prefix: String,
+    /// The notebook's working directory (`--export` resolves a relative FILE there).
+    #[serde(default)]
+    pub cwd: Option<String>,
     pub sys_path: Vec<String>,
     #[serde(default)]
     pub env: std::collections::BTreeMap<String, Option<String>>,

@@ -296,7 +296,14 @@ impl Magic for EnvCheck {
             );
         }
         let mut export_error = None;
-        let export = match (&args.export, &probe) {
+        // A relative FILE is the notebook's: its working directory, not gpukernel's.
+        let export_file = args.export.as_ref().map(|file| {
+            match session.as_ref().and_then(|s| s.cwd.as_deref()) {
+                Some(cwd) if file.is_relative() => Path::new(cwd).join(file),
+                _ => file.clone(),
+            }
+        });
+        let export = match (&export_file, &probe) {
             (Some(file), Some(p)) => {
                 let format = export::Format::for_file(file, &p.env.kind);
                 match export::render(format, p)

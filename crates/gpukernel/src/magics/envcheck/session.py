@@ -19,6 +19,7 @@ def call(user_ns, name, args_json):
                       "file": getattr(torch, "__file__", None),
                       "cuda": getattr(getattr(torch, "version", None), "cuda", None)}
         result = {"executable": sys.executable, "prefix": sys.prefix,
+                  "cwd": sys.modules["os"].getcwd(),
                   "sys_path": [p for p in sys.path if isinstance(p, str)],
                   "env": {k: environ.get(k) for k in _VARIABLES}, "torch_loaded": loaded}
         torch = None
