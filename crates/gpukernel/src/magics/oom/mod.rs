@@ -203,10 +203,15 @@ impl Oom {
             Ok(ProbeReply::Failed(why)) => return Err(MagicError::new("OomError", why)),
             Err(e) => return Err(MagicError::new("OomError", format!("{e}: {text}"))),
         };
-        let mut lines = vec![if released.had_traceback {
-            "Released the failed cell's traceback and returned the cache.".to_string()
+        let cache = if released.devices.is_empty() {
+            "torch holds no CUDA memory in this kernel"
         } else {
-            "No traceback was held; returned the cache.".to_string()
+            "returned the cache"
+        };
+        let mut lines = vec![if released.had_traceback {
+            format!("Released the failed cell's traceback; {cache}.")
+        } else {
+            format!("No traceback was held; {cache}.")
         }];
         for d in &released.devices {
             lines.push(format!(
