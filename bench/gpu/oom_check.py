@@ -69,7 +69,7 @@ def train_step(batch_size):
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 def train_accum(batch_size, steps):
     opt.zero_grad(set_to_none=True)
