@@ -202,3 +202,29 @@ def test_encrypted_key_asked_once_and_reused_on_reconnect(sshd, encrypted_key, s
         assert t.drain_until_exit() == EXIT["ok"], t.text()
     finally:
         t.close()
+
+
+@needs_pam_oath
+def test_keyboard_interactive_text_cannot_send_terminal_controls(
+    totp_sshd, state_dir, tunnel_bin, jupyter_prefix, tmp_path
+):
+    """A PAM message (pam_echo) reaches the client inside the keyboard-interactive prompt:
+    its escape sequences (set the window title, clear the screen) are shown escaped."""
+    message = tmp_path / "pam-message"
+    message.write_bytes(b"\x1b]0;pwned\x07\x1b[2JWelcome to gpu01")
+    service = PAM_DIR / totp_sshd.pam_service
+    service.write_text(f"auth optional pam_echo.so file={message}\n" + service.read_text())
+    config = tmp_path / "ssh_config"
+    config.write_text(totp_sshd.client_config())
+    t = OnPty(tunnel_bin, state_dir, up_argv(totp_sshd, config, jupyter_prefix))
+    try:
+        t.read_until(OTP_PROMPT)
+        assert b"\\033]0;pwned\\007\\033[2JWelcome to gpu01" in t.seen, t.text()
+        assert b"\x1b" not in t.seen and b"\x07" not in t.seen, t.text()
+        t.answer(totp())
+        url = t.proc.stdout.readline().decode().strip()
+        assert "token=" in url, t.text()
+        t.proc.send_signal(signal.SIGINT)
+        assert t.drain_until_exit() == EXIT["ok"], t.text()
+    finally:
+        t.close()
