@@ -191,10 +191,17 @@ def train(name, batch, steps):
 
 curve = []  # (batch, fits, peak allocated, peak reserved) of every fits() call
 
+def fresh_scaler(name):
+    # A GradScaler starts each probe as the user's training starts: its scale decides whether
+    # the first steps skip the optimizer (and so when AdamW's state is made).
+    if scalers[name] is not None:
+        scalers[name] = torch.amp.GradScaler("cuda")
+
 def fits(name, batch, steps=3):
     # The user's loop as it starts after %maxbatch: the optimizer has no state yet (AdamW
     # makes it at the first step, among that step's freed activations), then two more steps.
     opts[name].state.clear()
+    fresh_scaler(name)
     gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
     try:
         train(name, batch, steps)
@@ -240,6 +247,7 @@ def true_max(name, start, survey=False):
 def steps_ok(name, batch, n=30):
     # n steps of the notebook's loop from a fresh optimizer, as the user's training will run.
     opts[name].state.clear()
+    fresh_scaler(name)
     gc.collect(); torch.cuda.empty_cache()
     done = 0
     try:
