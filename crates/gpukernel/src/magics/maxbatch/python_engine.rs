@@ -476,16 +476,26 @@ fn trial(
             limit,
             &mut tick,
         )
-        .map_err(|e| match e {
-            CallError::Eval(EvalError::Cancelled) => Stop::Cancelled,
-            CallError::Eval(EvalError::TimedOut(limit)) => Stop::Failed(format!(
-                "the trial at batch {batch} ran past {} s (--trial-timeout) and was interrupted; \
+        .map_err(|e| trial_stop(e, batch))
+}
+
+/// Why a trial call ended the search.
+fn trial_stop(e: CallError, batch: u64) -> Stop {
+    match e {
+        CallError::Eval(EvalError::Cancelled) => Stop::Cancelled,
+        // The interrupt reached the Python kernel outside the step's own handler (while
+        // the state was put back, say): still the user's interrupt.
+        CallError::Eval(EvalError::Raised { ename, .. }) if ename == "KeyboardInterrupt" => {
+            Stop::Cancelled
+        }
+        CallError::Eval(EvalError::TimedOut(limit)) => Stop::Failed(format!(
+            "the trial at batch {batch} ran past {} s (--trial-timeout) and was interrupted; \
                  your state was put back. A first step that compiles (torch.compile) can take \
                  long: raise --trial-timeout",
-                limit.as_secs()
-            )),
-            other => Stop::Failed(format!("the trial at batch {batch} failed: {other}")),
-        })
+            limit.as_secs()
+        )),
+        other => Stop::Failed(format!("the trial at batch {batch} failed: {other}")),
+    }
 }
 
 /// What a trial's reply means for the search.
@@ -776,6 +786,21 @@ mod tests {
             evalue: "boom".into(),
         });
         assert_eq!(other.into_magic().ename, "MaxBatchError");
+    }
+
+    #[test]
+    fn an_interrupt_that_lands_outside_a_step_stops_the_search_as_an_interrupt() {
+        let raised = CallError::Eval(EvalError::Raised {
+            ename: "KeyboardInterrupt".into(),
+            evalue: String::new(),
+        });
+        assert_eq!(trial_stop(raised, 64), Stop::Cancelled);
+        assert_eq!(stop_error(Stop::Cancelled).ename, "KeyboardInterrupt");
+        let other = CallError::Eval(EvalError::Raised {
+            ename: "RuntimeError".into(),
+            evalue: "boom".into(),
+        });
+        assert!(matches!(trial_stop(other, 64), Stop::Failed(why) if why.contains("batch 64")));
     }
 
     #[test]
