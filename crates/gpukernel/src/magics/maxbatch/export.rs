@@ -18,6 +18,12 @@ pub(super) struct ExportedModule {
     /// The token ids' range: `--vocab`, else the first layer's Embedding.
     #[serde(default)]
     pub vocab: Option<i64>,
+    /// Bytes the notebook's process had allocated on the module's GPU (absent off the GPU).
+    #[serde(default)]
+    pub held_on_device: Option<u64>,
+    /// How much of that is the module's own weights, buffers and gradients.
+    #[serde(default)]
+    pub own_bytes: Option<u64>,
 }
 
 const EXPORT_MODULE_SOURCE: &str = include_str!("export_module.py");

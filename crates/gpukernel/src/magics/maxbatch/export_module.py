@@ -43,7 +43,25 @@ def export(user_ns, name, shape, vocab, train=True):
         os.unlink(path)
         raise
     return {"path": path, "method": method, "training": obj.training, "vocab": vocab,
-            "parameters": sum(p.numel() for p in obj.parameters())}
+            "parameters": sum(p.numel() for p in obj.parameters()), **_held(torch, obj)}
+
+
+def _held(torch, module):
+    """What the notebook's process holds on the module's GPU, and how much of it is the
+    module's own tensors (weights, buffers, gradients): the rest is room the user's loop does
+    not have and a copy trained in another process does not miss."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    tensors += [p.grad for p in module.parameters() if p.grad is not None]
+    cuda = [t for t in tensors if t.is_cuda]
+    if not cuda or not torch.cuda.is_initialized():
+        return {}
+    device = cuda[0].device
+    seen, own = set(), 0
+    for t in cuda:
+        if t.device == device and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            own += t.numel() * t.element_size()
+    return {"held_on_device": torch.cuda.memory_allocated(device), "own_bytes": own}
 
 
 def _vocab(torch, module):
