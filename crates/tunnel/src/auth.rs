@@ -6,13 +6,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use russh::client::{AuthResult, KeyboardInteractiveAuthResponse};
-use russh::keys::agent::client::AgentClient;
 use russh::keys::agent::AgentIdentity;
 use russh::keys::ssh_key::PublicKey;
 use russh::keys::{HashAlg, PrivateKey, PrivateKeyWithHashAlg};
 use russh::MethodKind;
 
-use crate::config::{AgentSocket, Target};
+use crate::config::Target;
 use crate::connect::Handle;
 use crate::exit::{Exit, HasExit};
 use crate::prompt;
@@ -186,18 +185,10 @@ pub async fn authenticate(handle: &mut Handle, target: &Target) -> Result<(), Au
 }
 
 async fn try_agent(ctx: &mut Ctx<'_>, offered: &mut Vec<PublicKey>) -> Result<Step, AuthError> {
-    let agent = match &ctx.target.identity_agent {
-        AgentSocket::Disabled => return Ok(Step::Continue),
-        AgentSocket::Env => {
-            if std::env::var_os("SSH_AUTH_SOCK").is_none() {
-                return Ok(Step::Continue);
-            }
-            AgentClient::connect_env().await.map(|a| a.dynamic())
-        }
-        AgentSocket::Path(p) => AgentClient::connect_uds(p).await.map(|a| a.dynamic()),
-    };
-    let mut agent = match agent {
-        Ok(a) => a,
+    // A Unix socket, or on Windows OpenSSH's agent pipe (else Pageant).
+    let mut agent = match crate::platform::connect_agent(&ctx.target.identity_agent).await {
+        Ok(Some(a)) => a,
+        Ok(None) => return Ok(Step::Continue),
         Err(e) => {
             ctx.attempts.note(format!("ssh-agent unreachable ({e})"));
             return Ok(Step::Continue);

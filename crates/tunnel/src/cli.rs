@@ -11,14 +11,25 @@ use crate::exit;
 pub const MAX_LINGER_SECS: u64 = 7 * 24 * 3600;
 pub const MAX_TIMEOUT_SECS: u64 = 24 * 3600;
 
+const ABOUT: &str =
+    "Starts Jupyter on a remote host bound to 127.0.0.1 with a fresh random token, \
+forwards a local port to it over the same SSH connection, prints the URL and opens the browser. \
+Ctrl-C stops the remote server and its kernels.";
+
+/// ABOUT, then what differs on this platform (nothing on Linux and macOS).
+fn long_about() -> String {
+    match crate::platform::HELP_NOTE {
+        "" => ABOUT.to_string(),
+        note => format!("{ABOUT}\n\n{note}"),
+    }
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "tunnel",
     version,
     about = "One command from a laptop to a safe Jupyter notebook on a remote machine, over SSH",
-    long_about = "Starts Jupyter on a remote host bound to 127.0.0.1 with a fresh random token, \
-forwards a local port to it over the same SSH connection, prints the URL and opens the browser. \
-Ctrl-C stops the remote server and its kernels.",
+    long_about = long_about(),
     after_help = exit::HELP
 )]
 pub struct Cli {

@@ -5,9 +5,8 @@
 //! russh ships a checker, but it reads only `~/.ssh/known_hosts` and exact
 //! names; ssh users rely on `UserKnownHostsFile`, patterns and the global file.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::PathBuf;
 
 use base64::engine::general_purpose::STANDARD as B64;
@@ -199,12 +198,8 @@ impl KnownHosts {
             source,
         };
         if let Some(dir) = path.parent() {
-            if !dir.as_os_str().is_empty() && !dir.exists() {
-                fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(dir)
-                    .map_err(werr)?;
+            if !dir.as_os_str().is_empty() {
+                crate::platform::create_private_dir_all(dir).map_err(werr)?;
             }
         }
         let host_field = if hash {
@@ -217,13 +212,7 @@ impl KnownHosts {
         let key_text = bare
             .to_openssh()
             .map_err(|e| KnownHostsError::Encode(e.to_string()))?;
-        let mut file = OpenOptions::new()
-            .read(true)
-            .append(true)
-            .create(true)
-            .mode(0o600)
-            .open(path)
-            .map_err(werr)?;
+        let mut file = crate::platform::open_private_append(path).map_err(werr)?;
         // Do not glue our line onto a last line that lacks its newline.
         let len = file.metadata().map_err(werr)?.len();
         let mut prefix = "";
@@ -458,14 +447,7 @@ pub fn line_text(at: &Location) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Whether `path` is private to its owner (no group/other bits).
-    fn is_private(path: &std::path::Path) -> bool {
-        use std::os::unix::fs::PermissionsExt;
-        fs::metadata(path)
-            .map(|m| m.permissions().mode() & 0o077 == 0)
-            .unwrap_or(false)
-    }
+    use std::fs;
 
     // Generated with ssh-keygen; HASHED is `ssh-keygen -H` of "[gpu.example.org]:2222 K1".
     const K1: &str =
@@ -558,6 +540,7 @@ mod tests {
 
     /// `ssh-keygen` makes a CA and a host key in `dir`, and signs the host key
     /// with `args` (`-h -n NAME`, `-V ...`); the certificate.
+    #[cfg(unix)]
     fn ssh_keygen_cert(dir: &std::path::Path, tag: &str, args: &[&str]) -> Certificate {
         let keygen = |a: &[&str]| {
             let out = std::process::Command::new("ssh-keygen")
@@ -593,6 +576,8 @@ mod tests {
         Certificate::from_openssh(text.trim()).expect("parses")
     }
 
+    // Needs ssh-keygen (OpenSSH for Linux) to make the certificates.
+    #[cfg(unix)]
     #[test]
     fn host_certificates_are_checked_against_cert_authority_lines() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -670,10 +655,13 @@ mod tests {
             kh.check("[h]:2222", &key(K1)).expect("reads"),
             Lookup::Known(_)
         ));
-        assert!(is_private(&path));
+        crate::platform::assert_private(&path);
 
         // A file whose last line lacks a newline stays well formed.
-        let mut f = OpenOptions::new().append(true).open(&path).expect("open");
+        let mut f = fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .expect("open");
         write!(f, "# no newline").expect("write");
         kh.learn("hashed.example", &key(K2), true)
             .expect("learn hashed");

@@ -12,13 +12,13 @@ mod exit;
 mod forward;
 mod known_hosts;
 mod manage;
+mod platform;
 mod probe;
 mod prompt;
 mod relay;
 mod remote;
 mod route;
 mod sanitize;
-mod signals;
 mod slurm;
 mod state;
 mod token;
@@ -36,6 +36,10 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::{Cli, Command};
+
+#[cfg(target_env = "musl")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use crate::exit::{Exit, HasExit};
 
 /// Plain "tunnel: ..." lines on stderr: these are messages for a person.

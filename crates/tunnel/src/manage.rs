@@ -19,8 +19,8 @@ const DOWN_TIMEOUT: Duration = Duration::from_secs(40);
 pub enum ManageError {
     #[error(transparent)]
     State(#[from] StateError),
-    #[error("cannot signal the tunnel process {pid}: {source}")]
-    Signal { pid: u32, source: nix::Error },
+    #[error("cannot ask the tunnel process {pid} to stop: {source}")]
+    Signal { pid: u32, source: std::io::Error },
     #[error("the tunnel to {host} (pid {pid}) did not stop within {}s", DOWN_TIMEOUT.as_secs())]
     Timeout { host: String, pid: u32 },
     #[error(transparent)]
@@ -85,20 +85,16 @@ async fn stop_local(host: &str) -> Result<Local, ManageError> {
         let _ = std::fs::remove_file(&path);
         return Ok(Local::Dead);
     }
-    let Ok(pid) = i32::try_from(st.pid) else {
-        return Ok(Local::Dead);
-    };
     tracing::info!("stopping the tunnel to {host} (pid {})", st.pid);
-    // The `up` process handles SIGTERM like Ctrl-C: it stops the remote
-    // server (or, with --detach, leaves it running), then exits.
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(pid),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .map_err(|source| ManageError::Signal {
-        pid: st.pid,
-        source,
-    })?;
+    // The `up` process handles this like Ctrl-C (SIGTERM; on Windows a
+    // message on its stop pipe): it stops the remote server (or, with
+    // --detach, leaves it running), then exits.
+    crate::platform::request_stop(st.pid, st.stop_key.as_deref())
+        .await
+        .map_err(|source| ManageError::Signal {
+            pid: st.pid,
+            source,
+        })?;
     let start = Instant::now();
     while state::is_alive(st.pid) {
         if start.elapsed() > DOWN_TIMEOUT {
@@ -180,8 +176,9 @@ async fn stop_detached(rec: &ServerRecord) -> Result<(), ManageError> {
 
 #[derive(Serialize)]
 struct Shown<'a> {
+    /// Without its stop key (Windows): that is for `down` only.
     #[serde(flatten)]
-    state: &'a TunnelState,
+    state: std::borrow::Cow<'a, TunnelState>,
     alive: bool,
     uptime_secs: u64,
     /// Seconds before the SLURM job's time limit (--slurm, once it runs).
@@ -194,8 +191,15 @@ fn shown(st: &TunnelState) -> Shown<'_> {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
+    let state = match st.stop_key {
+        None => std::borrow::Cow::Borrowed(st),
+        Some(_) => std::borrow::Cow::Owned(TunnelState {
+            stop_key: None,
+            ..st.clone()
+        }),
+    };
     Shown {
-        state: st,
+        state,
         alive: state::is_alive(st.pid),
         uptime_secs: now.saturating_sub(st.started_at),
         slurm_time_left_secs: st
@@ -291,7 +295,7 @@ pub fn status(args: StatusArgs) -> Result<(), ManageError> {
         out!("no tunnels");
     }
     for s in &shown {
-        let st = s.state;
+        let st: &TunnelState = &s.state;
         out!(
             "{}: {}, pid {}, up {}",
             st.host,

@@ -310,12 +310,16 @@ impl Mux {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(unix)]
     use std::process::Stdio;
+    #[cfg(unix)]
     use tokio::net::TcpListener;
 
     /// The real relay program (`slurm::RELAY_PY`) under a local python3,
     /// against a stand-in for Jupyter that answers each connection's whole
     /// request, upper-cased, after the client's half-close.
+    // Runs the node's end (python3 on a Linux node) locally.
+    #[cfg(unix)]
     #[tokio::test]
     async fn the_python_relay_speaks_these_frames() {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");

@@ -394,7 +394,7 @@ fn split_lines(partial: &mut Vec<u8>, data: &[u8]) -> Vec<String> {
 }
 
 /// Test helper: `/bin/sh -n` accepts `text` (a script tunnel sends to a remote shell).
-#[cfg(test)]
+#[cfg(all(test, unix))]
 pub(crate) fn assert_sh_parses(name: &str, text: &str) {
     let out = std::process::Command::new("/bin/sh")
         .args(["-n", "-c", text])
@@ -410,7 +410,9 @@ pub(crate) fn assert_sh_parses(name: &str, text: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(unix)]
     use std::io::Write;
+    #[cfg(unix)]
     use std::process::{Command, Stdio};
 
     fn spec() -> LaunchSpec {
@@ -434,6 +436,8 @@ mod tests {
     }
 
     /// The exact decoding sh performs must give back the parameters verbatim.
+    // The remote scripts run under a POSIX /bin/sh: the test runs one locally.
+    #[cfg(unix)]
     #[test]
     fn sh_decodes_the_stage1_line_exactly() {
         let s = spec();
@@ -466,6 +470,8 @@ mod tests {
 
     /// The real bootstrap, run by a real /bin/sh: the token ends up only in a
     /// 0600 file of the runtime dir, in no environment and no argv.
+    // The remote scripts run under a POSIX /bin/sh: the test runs one locally.
+    #[cfg(unix)]
     #[test]
     fn bootstrap_puts_the_token_in_a_private_file_only() {
         let tmp = tempfile::tempdir().expect("tempdir");
@@ -502,6 +508,8 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         assert_eq!(lines[n - 1], "unset", "{text}");
     }
 
+    // The remote scripts run under a POSIX /bin/sh: the test runs one locally.
+    #[cfg(unix)]
     #[test]
     fn scripts_are_valid_sh() {
         let main = [COMMON, SETUP, LAUNCH, SESSION].concat();

@@ -21,8 +21,8 @@ use russh::ChannelMsg;
 
 use crate::connect::Handle;
 use crate::exit::{Exit, HasExit};
+use crate::platform::Interrupts;
 use crate::remote::{self, EXEC_COMMAND, STDIN_SCRIPT};
-use crate::signals::Interrupts;
 
 const BATCH: &str = include_str!("remote/batch.sh");
 
@@ -691,6 +691,8 @@ mod tests {
         assert!(!valid_node("n/a"));
     }
 
+    // The remote scripts run under a POSIX /bin/sh: the test runs one locally.
+    #[cfg(unix)]
     #[test]
     fn the_scripts_are_valid_sh_and_hold_no_secret() {
         let batch = batch_script("0123abcd");

@@ -1,15 +1,16 @@
-//! Local state: one 0600 JSON file per running tunnel, in a 0700 directory,
-//! so `down`, `status` and `ls` work from any terminal. No token is stored.
+//! Local state: one private JSON file per running tunnel (0600 in a 0700
+//! directory; on Windows an owner-only ACL), so `down`, `status` and `ls`
+//! work from any terminal. No token is stored.
 
-use std::fs::{self, OpenOptions};
+use std::fs;
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use crate::cli::App;
 use crate::exit::{Exit, HasExit};
+use crate::platform;
 
 /// Overrides the state directory (tests, or several independent setups).
 pub const STATE_DIR_ENV: &str = "TUNNEL_STATE_DIR";
@@ -71,6 +72,10 @@ pub struct TunnelState {
     /// The SLURM job Jupyter runs in (`up --slurm`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slurm: Option<SlurmJob>,
+    /// What `tunnel down` presents to this process's stop pipe (Windows,
+    /// where there is no SIGTERM); see `platform::request_stop`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_key: Option<String>,
 }
 
 /// A `tunnel up --slurm` job as last seen by squeue. Kept up to date while
@@ -92,6 +97,8 @@ pub struct SlurmJob {
     pub ends_at: Option<u64>,
 }
 
+/// `$TUNNEL_STATE_DIR`, else `tunnel` in the XDG state dir (Linux), the
+/// local app data (`%LOCALAPPDATA%`, Windows) or Application Support (macOS).
 pub fn dir() -> Result<PathBuf, StateError> {
     if let Some(d) = std::env::var_os(STATE_DIR_ENV).filter(|d| !d.is_empty()) {
         return Ok(PathBuf::from(d));
@@ -107,15 +114,9 @@ fn ensure_dir(d: &Path) -> Result<(), StateError> {
         path: d.to_path_buf(),
         source,
     };
-    if !d.exists() {
-        fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(d)
-            .map_err(io)?;
-    }
+    platform::create_private_dir_all(d).map_err(io)?;
     // Other users must not list which hosts we tunnel to.
-    fs::set_permissions(d, fs::Permissions::from_mode(0o700)).map_err(io)?;
+    platform::restrict_dir(d).map_err(io)?;
     Ok(())
 }
 
@@ -139,26 +140,7 @@ pub fn path_for(dir: &Path, host: &str) -> PathBuf {
 
 /// Whether `pid` is a live `tunnel` process (not a recycled pid).
 pub fn is_alive(pid: u32) -> bool {
-    let Ok(raw) = i32::try_from(pid) else {
-        return false;
-    };
-    let alive = match nix::sys::signal::kill(nix::unistd::Pid::from_raw(raw), None) {
-        Ok(()) => true,
-        Err(nix::errno::Errno::EPERM) => true,
-        Err(_) => false,
-    };
-    if !alive {
-        return false;
-    }
-    // Where /proc exists, make sure the pid still belongs to a tunnel.
-    match fs::read(format!("/proc/{pid}/cmdline")) {
-        Ok(cmd) => cmd
-            .split(|&b| b == 0)
-            .next()
-            .map(|arg0| String::from_utf8_lossy(arg0).contains("tunnel"))
-            .unwrap_or(false),
-        Err(_) => true,
-    }
+    platform::is_tunnel_alive(pid)
 }
 
 /// Holds the state file of the running `up`; removes it on drop.
@@ -175,12 +157,7 @@ impl StateFile {
         ensure_dir(&d)?;
         let path = path_for(&d, &state.host);
         for _ in 0..2 {
-            match OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&path)
-            {
+            match platform::create_private_file(&path) {
                 Ok(mut f) => {
                     let json = serde_json::to_vec_pretty(&state).map_err(|e| StateError::Io {
                         path: path.clone(),
@@ -270,12 +247,7 @@ fn write_private_json(
     };
     let json = serde_json::to_vec_pretty(value).map_err(|e| io(e.into()))?;
     let _ = fs::remove_file(&tmp);
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(io)?;
+    let mut f = platform::create_private_file(&tmp).map_err(io)?;
     f.write_all(&json).map_err(io)?;
     fs::rename(&tmp, path).map_err(io)?;
     Ok(())
@@ -348,5 +320,38 @@ mod tests {
         assert!(!is_alive(u32::MAX));
         // The test binary's name contains "tunnel".
         assert!(is_alive(std::process::id()));
+    }
+
+    #[test]
+    fn state_dir_and_files_are_private() {
+        let top = tempfile::tempdir().expect("tempdir");
+        let d = top.path().join("a").join("tunnel");
+        ensure_dir(&d).expect("ensure_dir");
+        platform::assert_private(&d);
+        let state = TunnelState {
+            host: "h".into(),
+            pid: std::process::id(),
+            phase: Phase::Starting,
+            ssh_user: "u".into(),
+            ssh_host: "h".into(),
+            ssh_port: 22,
+            app: App::Lab,
+            started_at: 0,
+            local_port: None,
+            remote_port: None,
+            url: None,
+            remote_runtime_dir: None,
+            remote_pid: None,
+            slurm: None,
+            stop_key: platform::stop_key(),
+        };
+        let path = path_for(&d, "h");
+        write_private_json(&path, "json.tmp", &state).expect("write");
+        platform::assert_private(&path);
+        let back = read(&path).expect("read back");
+        assert_eq!(back.stop_key, state.stop_key);
+        // Rewriting keeps it private (a new temp file renamed over it).
+        write_private_json(&path, "json.tmp", &state).expect("rewrite");
+        platform::assert_private(&path);
     }
 }

@@ -123,7 +123,9 @@ pub(super) struct Context<'a> {
     pub final_pass: bool,
     /// Values of `%` tokens for `exec`.
     pub tokens: &'a Tokens,
-    pub shell: &'a Path,
+    /// The shell for `exec` (`SHELL -c`); `None`: the platform's
+    /// (`$SHELL` or /bin/sh; cmd.exe on Windows, as OpenSSH for Windows).
+    pub shell: Option<&'a Path>,
 }
 
 /// Whether the criteria hold. `wants_final` is set when a `final` criterion
@@ -177,17 +179,23 @@ pub(super) fn evaluate(
     Ok(result)
 }
 
-/// Run `command` with the user's shell (`$SHELL -c`), stdin and stdout on
-/// /dev/null; exit status 0 is a match.
-fn run(command: &str, shell: &Path) -> Result<bool, String> {
-    tracing::debug!("Match exec: {} -c {command:?}", shell.display());
-    let status = Command::new(shell)
-        .arg("-c")
-        .arg(command)
+/// Run `command` with the user's shell (`$SHELL -c`; `cmd.exe /c` on
+/// Windows), stdin and stdout on /dev/null; exit status 0 is a match.
+fn run(command: &str, shell: Option<&Path>) -> Result<bool, String> {
+    let mut cmd = match shell {
+        Some(shell) => {
+            let mut c = Command::new(shell);
+            c.arg("-c").arg(command);
+            c
+        }
+        None => crate::platform::match_exec_command(command),
+    };
+    tracing::debug!("Match exec: {cmd:?}");
+    let status = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .status()
-        .map_err(|e| format!("Match exec: cannot run {}: {e}", shell.display()))?;
+        .map_err(|e| format!("Match exec: cannot run {:?}: {e}", cmd.get_program()))?;
     match status.code() {
         Some(code) => Ok(code == 0),
         None => Err(format!(
@@ -208,7 +216,7 @@ mod tests {
             local_user: "alice",
             final_pass,
             tokens,
-            shell: Path::new("/bin/sh"),
+            shell: cfg!(unix).then(|| Path::new("/bin/sh")),
         }
     }
 
@@ -288,6 +296,7 @@ mod tests {
         assert!(!hit && wants);
     }
 
+    #[cfg(unix)]
     #[test]
     fn exec_runs_in_the_shell_with_tokens() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -309,5 +318,16 @@ mod tests {
         assert!(err.contains("abnormally"), "{err}");
         let err = evaluate(&parse("exec %Z").expect("parses"), &c, &mut f).expect_err("token");
         assert!(err.contains("%Z"), "{err}");
+    }
+
+    /// OpenSSH for Windows runs `Match exec` with system(): cmd.exe.
+    #[cfg(windows)]
+    #[test]
+    fn exec_runs_in_cmd_on_windows() {
+        let t = Tokens::new().with('h', "lab-1");
+        let c = cx("lab-1", "bob", &t, false);
+        assert!(eval("exec \"if %h==lab-1 (exit 0) else (exit 1)\"", &c));
+        assert!(!eval("exec \"exit 3\"", &c));
+        assert!(eval("!exec \"exit 1\"", &c));
     }
 }

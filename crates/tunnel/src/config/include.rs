@@ -1,12 +1,12 @@
 //! `Include`: which files a pattern names, the way OpenSSH finds them: a
 //! relative path is in `~/.ssh` (user configs) or `/etc/ssh` (the system
-//! config), then glob(3) with `~` expansion, matches in lexical order.
+//! config; `%PROGRAMDATA%\ssh` on Windows), then glob(3) with `~`
+//! expansion, matches in lexical order. On Windows, as OpenSSH for Windows,
+//! `C:\...` and `\...` are absolute and `\` becomes `/` before globbing.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-/// Directory of the system-wide config, for relative Include paths there.
-const SYSTEM_DIR: &str = "/etc/ssh";
+use crate::platform;
 
 /// The files `arg` of an Include line names, in the order they are read.
 /// `home` is what glob's `~` means (`$HOME`, else the passwd home).
@@ -16,13 +16,14 @@ pub(super) fn files(arg: &str, user_config: bool, home: &Path) -> Result<Vec<Pat
             "bad include path {arg} (no ~ in the system config)"
         ));
     }
-    let anchored = if arg.starts_with('/') || arg.starts_with('~') {
+    let anchored = if platform::include_is_absolute(arg) || arg.starts_with('~') {
         arg.to_string()
     } else if user_config {
         format!("~/.ssh/{arg}")
     } else {
-        format!("{SYSTEM_DIR}/{arg}")
+        format!("{}/{arg}", platform::system_ssh_dir())
     };
+    let anchored = platform::include_pattern(anchored);
     let Some(pattern) = expand_tilde(&anchored, home) else {
         return Ok(Vec::new());
     };
@@ -42,22 +43,19 @@ fn expand_tilde(pattern: &str, home: &Path) -> Option<String> {
     let dir = if user.is_empty() {
         home.to_path_buf()
     } else {
-        nix::unistd::User::from_name(user).ok().flatten()?.dir
+        platform::home_of(user)?
     };
-    Some(format!("{}{rest}", dir.to_string_lossy()))
+    // A Windows home has backslashes: the glob below splits on `/` only.
+    let dir = platform::include_pattern(dir.to_string_lossy().into_owned());
+    Some(format!("{dir}{rest}"))
 }
 
 /// Paths matching `pattern` (`*`, `?`, `[...]`, `\` escapes; a leading `.`
 /// in a name is only matched by a `.` in the pattern), sorted byte-wise. A
 /// pattern without wildcards names its path if that exists.
 pub(super) fn glob(pattern: &str) -> Vec<PathBuf> {
-    let absolute = pattern.starts_with('/');
-    let parts: Vec<&str> = pattern.split('/').filter(|p| !p.is_empty()).collect();
-    let start = if absolute {
-        PathBuf::from("/")
-    } else {
-        PathBuf::new()
-    };
+    let (start, rest) = platform::glob_root(pattern);
+    let parts: Vec<&str> = rest.split('/').filter(|p| !p.is_empty()).collect();
     let mut found = Vec::new();
     walk(&start, &parts, &mut found);
     found.sort_by(|a, b| {
@@ -207,16 +205,10 @@ fn bracket(p: &[u8]) -> Option<(Set, &[u8])> {
     None
 }
 
-/// OpenSSH refuses a config file that someone else could have written.
+/// OpenSSH refuses a config file that someone else could have written (on
+/// Windows: its owner and ACL, as OpenSSH for Windows checks them).
 pub(super) fn check_permissions(path: &Path, meta: &std::fs::Metadata) -> Result<(), String> {
-    let uid = nix::unistd::getuid().as_raw();
-    if (meta.uid() != 0 && meta.uid() != uid) || meta.mode() & 0o022 != 0 {
-        return Err(format!(
-            "bad owner or permissions on {} (it must be yours or root's, and writable by no one else)",
-            path.display()
-        ));
-    }
-    Ok(())
+    platform::check_config_permissions(path, meta)
 }
 
 #[cfg(test)]
@@ -241,24 +233,29 @@ mod tests {
     #[test]
     fn globs_in_lexical_order() {
         let dir = tempfile::tempdir().expect("tempdir");
-        for name in ["b.conf", "a.conf", "c.txt", ".h.conf", "B.conf"] {
+        // B1, not B: on Windows file names are case-insensitive (B.conf is b.conf).
+        for name in ["b.conf", "a.conf", "c.txt", ".h.conf", "B1.conf"] {
             std::fs::write(dir.path().join(name), "").expect("write");
         }
         std::fs::create_dir(dir.path().join("sub")).expect("mkdir");
         std::fs::write(dir.path().join("sub/z.conf"), "").expect("write");
-        let d = dir.path().display();
+        // On Windows the pattern has `/` only, as `files` makes it.
+        let d = platform::include_pattern(dir.path().display().to_string());
         let names = |pattern: String| -> Vec<String> {
             glob(&pattern)
                 .iter()
                 .map(|p| {
                     p.strip_prefix(dir.path())
                         .expect("inside")
-                        .display()
-                        .to_string()
+                        .to_string_lossy()
+                        .replace('\\', "/")
                 })
                 .collect()
         };
-        assert_eq!(names(format!("{d}/*.conf")), ["B.conf", "a.conf", "b.conf"]);
+        assert_eq!(
+            names(format!("{d}/*.conf")),
+            ["B1.conf", "a.conf", "b.conf"]
+        );
         assert_eq!(names(format!("{d}/*/*.conf")), ["sub/z.conf"]);
         assert_eq!(names(format!("{d}/c.txt")), ["c.txt"]);
         assert!(names(format!("{d}/missing")).is_empty());

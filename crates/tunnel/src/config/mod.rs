@@ -201,7 +201,7 @@ impl Sources {
                     required: false,
                 },
                 SourceFile {
-                    path: PathBuf::from("/etc/ssh/ssh_config"),
+                    path: PathBuf::from(crate::platform::system_ssh_dir()).join("ssh_config"),
                     user_config: false,
                     check_permissions: false,
                     required: false,
@@ -225,27 +225,14 @@ pub struct LocalUser {
 
 impl LocalUser {
     pub fn current() -> Result<Self, ConfigError> {
-        let uid = nix::unistd::getuid();
-        let entry = nix::unistd::User::from_uid(uid).ok().flatten();
-        let home = match &entry {
-            Some(u) if !u.dir.as_os_str().is_empty() => u.dir.clone(),
-            _ => dirs::home_dir().ok_or(ConfigError::NoHome)?,
-        };
-        let name = match entry {
-            Some(u) => u.name,
-            None => std::env::var("USER")
-                .ok()
-                .filter(|u| !u.is_empty())
-                .unwrap_or_else(|| uid.to_string()),
-        };
-        let hostname = nix::unistd::gethostname()
-            .map(|h| h.to_string_lossy().into_owned())
-            .unwrap_or_default();
+        // The passwd entry on Unix; the profile directory, account name and
+        // uid 1 on Windows, as OpenSSH for Windows has them.
+        let me = crate::platform::me();
         Ok(LocalUser {
-            home,
-            name,
-            uid: uid.as_raw(),
-            hostname,
+            home: me.home.ok_or(ConfigError::NoHome)?,
+            name: me.name,
+            uid: me.uid,
+            hostname: me.hostname,
         })
     }
 

@@ -406,10 +406,6 @@ fn evaluate_match(
         .with('r', user.clone())
         .with('u', pass.local.name.clone())
         .with('i', pass.local.uid.to_string());
-    let shell = std::env::var_os("SHELL")
-        .filter(|s| !s.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/bin/sh"));
     let cx = criteria::Context {
         host: &host,
         original_host: pass.original,
@@ -417,7 +413,7 @@ fn evaluate_match(
         local_user: &pass.local.name,
         final_pass: pass.final_pass,
         tokens: &values,
-        shell: &shell,
+        shell: None,
     };
     criteria::evaluate(criteria, &cx, wants_final)
 }
@@ -440,10 +436,7 @@ impl Homes for LocalUser {
         &self.home
     }
     fn of(&self, user: &str) -> Option<PathBuf> {
-        nix::unistd::User::from_name(user)
-            .ok()
-            .flatten()
-            .map(|u| u.dir)
+        crate::platform::home_of(user)
     }
 }
 
@@ -600,9 +593,10 @@ impl Expander<'_> {
     /// GlobalKnownHostsFile takes `~` but no tokens.
     fn global_known_hosts(&self, opts: &Options) -> Result<Vec<PathBuf>, ConfigError> {
         let Some(files) = &opts.global_known_hosts else {
+            let dir = crate::platform::system_ssh_dir();
             return Ok(vec![
-                PathBuf::from("/etc/ssh/ssh_known_hosts"),
-                PathBuf::from("/etc/ssh/ssh_known_hosts2"),
+                PathBuf::from(format!("{dir}/ssh_known_hosts")),
+                PathBuf::from(format!("{dir}/ssh_known_hosts2")),
             ]);
         };
         if is_none(files) {
@@ -761,6 +755,43 @@ mod tests {
     use crate::exit::{Exit, HasExit};
     use std::collections::HashMap;
 
+    /// A Windows home (backslashes) and Windows paths, as OpenSSH for Windows
+    /// resolves them: `~/` appends `/` and the rest, `%d` is the home as it
+    /// is, a backslash before a letter or `.` stays (argv_split keeps an
+    /// unknown escape), `\\` is one backslash.
+    #[test]
+    fn windows_paths_resolve_as_openssh_for_windows() {
+        let cfg = parse(
+            "Host w\n  IdentityFile ~/.ssh/id_w\n  IdentityFile %d\\keys\\id_x\n\
+             IdentityFile C:\\Keys\\id_y\n  IdentityFile \"C:\\\\Program Files\\\\k\"\n\
+             UserKnownHostsFile ~/.ssh/kh %d\\.ssh\\kh2\n  IdentityAgent \\\\\\\\.\\\\pipe\\\\agent\n",
+        );
+        let mut me = local();
+        me.home = PathBuf::from(r"C:\Users\Alice");
+        let t = resolve_in(&cfg, "w", &me).expect("resolves");
+        let text = |v: &[PathBuf]| -> Vec<String> {
+            v.iter().map(|p| p.to_string_lossy().into_owned()).collect()
+        };
+        assert_eq!(
+            text(&t.identity_files),
+            [
+                r"C:\Users\Alice/.ssh/id_w",
+                r"C:\Users\Alice\keys\id_x",
+                r"C:\Keys\id_y",
+                r"C:\Program Files\k"
+            ]
+        );
+        assert_eq!(
+            text(&t.user_known_hosts),
+            [r"C:\Users\Alice/.ssh/kh", r"C:\Users\Alice\.ssh\kh2"]
+        );
+        // `\\\\.\\pipe\\agent` in the file is the pipe `\\.\pipe\agent`.
+        assert_eq!(
+            t.identity_agent,
+            AgentSocket::Path(PathBuf::from(r"\\.\pipe\agent"))
+        );
+    }
+
     struct Table(HashMap<&'static str, bool>);
     impl Resolver for Table {
         fn resolves(&self, name: &str, _port: u16) -> bool {
@@ -875,6 +906,7 @@ mod tests {
         assert_eq!(err.exit(), Exit::Config);
     }
 
+    #[cfg(unix)] // `test` in the user's shell
     #[test]
     fn match_exec_user_and_negation() {
         let cfg = parse(

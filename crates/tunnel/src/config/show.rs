@@ -154,6 +154,10 @@ mod tests {
         );
         let t = resolve_in(&cfg, "gpu", &local()).expect("resolves");
         let out = text(&t);
+        let global = format!(
+            "globalknownhostsfile {0}/ssh_known_hosts {0}/ssh_known_hosts2\n",
+            crate::platform::system_ssh_dir()
+        );
         for line in [
             "host gpu\n",
             "user bob\n",
@@ -161,7 +165,7 @@ mod tests {
             "port 2222\n",
             "stricthostkeychecking true\n",
             "identityfile /home/alice/.ssh/id_gpu\nidentityfile /home/alice/.ssh/second\n",
-            "globalknownhostsfile /etc/ssh/ssh_known_hosts /etc/ssh/ssh_known_hosts2\n",
+            global.as_str(),
             "userknownhostsfile none\n",
             "connecttimeout 7\n",
             "serveraliveinterval 15\n",

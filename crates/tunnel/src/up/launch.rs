@@ -7,8 +7,8 @@ use super::{interruptible, UpError};
 use crate::cli::UpArgs;
 use crate::config::Target;
 use crate::connect::Handle;
+use crate::platform::Interrupts;
 use crate::remote::{self, Event, LaunchSpec, Launcher, RemoteError};
-use crate::signals::Interrupts;
 use crate::state::StateFile;
 use crate::token::Token;
 

@@ -25,10 +25,10 @@ use crate::config::{self, ConfigError, LocalUser, Sources, SshConfig, Target};
 use crate::connect::{ConnectError, Handle};
 use crate::exit::{Exit, HasExit};
 use crate::forward::{self, ForwardError};
+use crate::platform::Interrupts;
 use crate::probe::ProbeError;
 use crate::remote::RemoteError;
 use crate::route::{self, RouteError};
-use crate::signals::Interrupts;
 use crate::slurm::{self, SlurmError};
 use crate::state::{Phase, ServerRecord, StateError, StateFile, TunnelState};
 
@@ -219,6 +219,7 @@ fn claim_state(args: &UpArgs, target: &Target, host_key: &str) -> Result<StateFi
         remote_runtime_dir: None,
         remote_pid: None,
         slurm: None,
+        stop_key: crate::platform::stop_key(),
     })
 }
 

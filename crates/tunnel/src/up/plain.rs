@@ -11,8 +11,8 @@ use super::launch::{self, launch_spec, stop_remote, Remote};
 use super::serve::{Finish, Link, Serve};
 use super::{Up, UpError};
 use crate::connect::Handle;
+use crate::platform::Interrupts;
 use crate::remote::{Launcher, RemoteError};
-use crate::signals::Interrupts;
 use crate::state::{ServerRecord, StateFile};
 use crate::token::Token;
 

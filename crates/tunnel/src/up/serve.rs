@@ -17,9 +17,9 @@ use crate::cli::UpArgs;
 use crate::config::Target;
 use crate::connect::Handle;
 use crate::forward::{self, ForwardError};
+use crate::platform::Interrupts;
 use crate::probe;
 use crate::remote::{Event, Launcher, RemoteError};
-use crate::signals::Interrupts;
 use crate::slurm::SlurmError;
 use crate::state::{Phase, ServerRecord, StateFile};
 
