@@ -43,7 +43,7 @@ use windows_sys::Win32::System::Threading::{
     QueryFullProcessImageNameW, PROCESS_NAME_WIN32, PROCESS_QUERY_LIMITED_INFORMATION,
 };
 use windows_sys::Win32::UI::Shell::ShellExecuteW;
-use windows_sys::Win32::UI::WindowsAndMessaging::SW_SHOWNORMAL;
+use windows_sys::Win32::UI::WindowsAndMessaging::{FindWindowW, SW_SHOWNORMAL};
 
 use super::sddl;
 use crate::config::AgentSocket;
@@ -625,7 +625,22 @@ pub async fn connect_agent(socket: &AgentSocket) -> Result<Option<Agent>, russh:
         .map(|a| Some(a.dynamic()))
 }
 
+/// Whether Pageant runs: it always has its hidden window of class and
+/// title "Pageant" (also when it serves a named pipe too).
+fn pageant_runs() -> bool {
+    let name = wide(OsStr::new("Pageant"));
+    // SAFETY: both strings are NUL-terminated and outlive the call; the
+    // returned window handle is only compared with null, never used.
+    !unsafe { FindWindowW(name.as_ptr(), name.as_ptr()) }.is_null()
+}
+
 async fn connect_pageant() -> Result<Option<Agent>, russh::keys::Error> {
+    // russh's Pageant stream "connects" even with no Pageant (it fails on the
+    // first request), so look for it first: no Pageant is no agent.
+    if !pageant_runs() {
+        tracing::debug!("no OpenSSH agent pipe and no Pageant window");
+        return Ok(None);
+    }
     match AgentClient::connect_pageant().await {
         Ok(a) => Ok(Some(a.dynamic())),
         Err(e) => {
@@ -785,5 +800,9 @@ mod tests {
             .await
             .expect("ok")
             .is_none());
+        // No Pageant (as under Wine): no agent, quietly, rather than one that fails later.
+        if !pageant_runs() {
+            assert!(connect_pageant().await.expect("ok").is_none());
+        }
     }
 }
