@@ -249,27 +249,7 @@ pub(super) fn run(
     let prepared: Prepared = session
         .call("prepare", json!({ "spec": spec }), SETUP_LIMIT, &mut |_| {})
         .map_err(CallError::into_magic)?;
-    let loss = match &prepared.output {
-        Some(output) => {
-            let plan = loss::plan(
-                &output.shape,
-                args.loss.map(|l| l.kind()),
-                args.target_classes,
-                prepared.describe.vocab.or(args.vocab),
-            )
-            .map_err(|e| MagicError::usage(format!("%maxbatch: {e}")))?;
-            session
-                .call::<Value>(
-                    "set_loss",
-                    json!({ "plan": plan }),
-                    SETUP_LIMIT,
-                    &mut |_| {},
-                )
-                .map_err(CallError::into_magic)?;
-            Some(plan)
-        }
-        None => None,
-    };
+    let loss = plan_loss(&session, args, &prepared)?;
     let assumptions = assumptions(args, &spec, &prepared, loss.as_ref());
     let trial_limit = Duration::from_secs_f64(args.trial_timeout);
     if !prepared.describe.cuda || !prepared.memory.device.starts_with("cuda") {
@@ -299,53 +279,17 @@ pub(super) fn run(
         ),
     );
     let held_before = memory.allocated.unwrap_or(0);
-    let mut trial_ms = Vec::new();
-    let mut trial_reserved = Vec::new();
-    let probe = |batch: u64| -> Result<Outcome, Stop> {
-        let reply = trial(&session, &live, batch, STEPS_PER_TRIAL, 0, trial_limit)?;
-        let outcome = outcome(&reply, batch, held_before)?;
-        trial_ms.push((batch, reply.ms));
-        if let (Outcome::Ran { .. }, Some(r)) = (outcome, reply.peak_reserved) {
-            trial_reserved.push((batch, r));
-        }
-        live.show(Line::Trial {
-            batch,
-            outcome,
-            fits: matches!(outcome, Outcome::Ran { peak, .. } if peak <= limit),
-            ms: reply.ms,
-        });
-        if ctx.cancel.is_cancelled() {
-            return Err(Stop::Cancelled);
-        }
-        Ok(outcome)
-    };
-    let result = match args.search {
-        SearchKind::Fit => search::search(&config, probe),
-        SearchKind::DoubleBisect => search::lightning(&config, probe),
-    };
-    if let Some(stop) = result.stopped.clone() {
-        return Err(stop_error(stop));
-    }
-    let confirmation = match (args.no_confirm, args.search, result.max_fit) {
-        (false, SearchKind::Fit, Some(max)) => Some(confirm(
-            &session,
-            &live,
-            Candidates::below(max, args.margin / 100.0),
-            (limit, held_before),
-            trial_limit,
-        )?),
-        _ => None,
-    };
+    let searched = search_and_confirm(&session, &live, args, &config, held_before, trial_limit)?;
     let mut findings = Findings {
         model: spec.target.clone(),
-        search: result,
+        search: searched.result,
         assumptions,
         limit,
         device_total: memory.total.unwrap_or(0),
         card,
         elapsed_ms: 0.0,
-        trial_ms,
-        trial_reserved,
+        trial_ms: searched.trial_ms,
+        trial_reserved: searched.trial_reserved,
         held: Some(Held {
             who: format!("your Python kernel (pid {})", python.pid()),
             allocated: held_before,
@@ -355,7 +299,7 @@ pub(super) fn run(
         notes: notes(&prepared),
         margin_percent: args.margin,
         throughput: None,
-        confirmation,
+        confirmation: searched.confirmation,
     };
     if args.throughput {
         findings.throughput = Some(throughput(&session, &live, &findings, trial_limit)?);
@@ -374,6 +318,98 @@ pub(super) fn run(
         args.json,
     ));
     Ok(())
+}
+
+/// The loss a module's standard step uses (from its output, or `--loss`), set in the session;
+/// `None` for a step function, whose loss is its own.
+fn plan_loss(
+    session: &Session,
+    args: &Args,
+    prepared: &Prepared,
+) -> Result<Option<LossPlan>, MagicError> {
+    let Some(output) = &prepared.output else {
+        return Ok(None);
+    };
+    let plan = loss::plan(
+        &output.shape,
+        args.loss.map(|l| l.kind()),
+        args.target_classes,
+        prepared.describe.vocab.or(args.vocab),
+    )
+    .map_err(|e| MagicError::usage(format!("%maxbatch: {e}")))?;
+    session
+        .call::<Value>(
+            "set_loss",
+            json!({ "plan": plan }),
+            SETUP_LIMIT,
+            &mut |_| {},
+        )
+        .map_err(CallError::into_magic)?;
+    Ok(Some(plan))
+}
+
+/// What the search and the confirming trial found.
+struct Searched {
+    result: search::SearchResult,
+    trial_ms: Vec<(u64, f64)>,
+    trial_reserved: Vec<(u64, u64)>,
+    confirmation: Option<Confirmation>,
+}
+
+/// The search over the user's own step, each trial on the live display, then (unless
+/// `--no-confirm`, or for the baseline) the trial that runs the recommendation itself.
+fn search_and_confirm(
+    session: &Session,
+    live: &Live,
+    args: &Args,
+    config: &SearchConfig,
+    held_before: u64,
+    trial_limit: Duration,
+) -> Result<Searched, MagicError> {
+    let limit = config.limit;
+    let mut trial_ms = Vec::new();
+    let mut trial_reserved = Vec::new();
+    let probe = |batch: u64| -> Result<Outcome, Stop> {
+        let reply = trial(session, live, batch, STEPS_PER_TRIAL, 0, trial_limit)?;
+        let outcome = outcome(&reply, batch, held_before)?;
+        trial_ms.push((batch, reply.ms));
+        if let (Outcome::Ran { .. }, Some(r)) = (outcome, reply.peak_reserved) {
+            trial_reserved.push((batch, r));
+        }
+        live.show(Line::Trial {
+            batch,
+            outcome,
+            fits: matches!(outcome, Outcome::Ran { peak, .. } if peak <= limit),
+            ms: reply.ms,
+        });
+        if session.ctx.cancel.is_cancelled() {
+            return Err(Stop::Cancelled);
+        }
+        Ok(outcome)
+    };
+    let result = match args.search {
+        SearchKind::Fit => search::search(config, probe),
+        SearchKind::DoubleBisect => search::lightning(config, probe),
+    };
+    if let Some(stop) = result.stopped.clone() {
+        return Err(stop_error(stop));
+    }
+    let confirmation = match (args.no_confirm, args.search, result.max_fit) {
+        (false, SearchKind::Fit, Some(max)) => Some(confirm(
+            session,
+            live,
+            Candidates::below(max, args.margin / 100.0),
+            (limit, held_before),
+            trial_limit,
+        )?),
+        _ => None,
+    };
+    Ok(Searched {
+        result,
+        trial_ms,
+        trial_reserved,
+        confirmation,
+    })
 }
 
 fn stop_error(stop: Stop) -> MagicError {
