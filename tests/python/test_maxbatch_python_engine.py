@@ -378,3 +378,39 @@ def test_token_ids_are_recognised_behind_a_positional_parameter(trials):
     assert reply["describe"]["vocab"] == 30 and reply["describe"]["vocab_from"] == "Embedding"
     assert reply["output"]["shape"] == [2, 8, 30]
     call(trials, ns, "close")
+
+
+def test_the_heap_is_frozen_for_the_trials_only_and_a_users_freeze_is_left_alone(trials):
+    import gc
+    import weakref
+
+    import torch
+
+    model = torch.nn.Linear(4, 3)
+    ns = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)}
+    spec = {"kind": "module", "target": "model", "input": [4]}
+    assert gc.get_freeze_count() == 0
+    call(trials, ns, "prepare", spec=spec)
+    # The trials' collections scan only what the trials make.
+    assert gc.get_freeze_count() > 0
+    call(trials, ns, "set_loss", plan={"kind": "mse"})
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.me = cycle  # garbage made after the freeze, in a cycle: the next trial collects it
+    alive = weakref.ref(cycle)
+    del cycle
+    assert call(trials, ns, "trial", batch=4, steps=2)["result"] == "ran"
+    assert alive() is None
+    assert call(trials, ns, "close")["closed"] is True
+    assert gc.get_freeze_count() == 0, "the heap is thawed at close"
+    gc.freeze()  # the user's own freeze
+    try:
+        frozen = gc.get_freeze_count()
+        call(trials, ns, "prepare", spec=spec)
+        call(trials, ns, "close")
+        assert gc.get_freeze_count() == frozen, "a freeze the user made stays as it was"
+    finally:
+        gc.unfreeze()
