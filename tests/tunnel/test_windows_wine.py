@@ -27,6 +27,8 @@ import re
 import shutil
 import signal
 import subprocess
+import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,7 @@ import requests
 
 from tunnel_harness import (
     EXIT,
+    REPO,
     Tunnel,
     alive,
     port_of,
@@ -70,6 +73,13 @@ def wine_env(extra: dict | None = None) -> dict:
     env.pop("SSH_AUTH_SOCK", None)
     env.update(extra or {})
     return env
+
+
+def require_wine() -> None:
+    if shutil.which("wine") is None:
+        pytest.skip("wine is not installed (scripts/setup installs it)")
+    if not (PREFIX / "drive_c/windows/system32/bcryptprimitives.dll").is_file():
+        pytest.skip(f"no prepared Wine prefix at {PREFIX} (scripts/setup makes it)")
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +233,31 @@ def test_owner_only_acl_is_not_testable_under_wine():
                 "DACL would become 0777), so tunnel leaves Wine's modes alone; the DACL itself "
                 "is unit-tested in platform/sddl.rs and read back on real Windows by "
                 "platform::windows::tests::a_private_dir_gets_the_owner_only_dacl")
+
+
+@pytest.mark.timeout(1500)  # a cold release build for Windows takes minutes on 2 cores
+def test_windows_wheel_carries_tunnel_exe_and_it_runs_under_wine():
+    """packaging/build.sh --target x86_64-pc-windows-gnu: a win_amd64 wheel holding only
+    tunnel.exe, the same bytes as the bare download, which runs (under Wine here).
+    TUNNEL_WIN_WHEEL and TUNNEL_WIN_EXE name prebuilt files instead."""
+    require_wine()
+    wheel, binary = os.environ.get("TUNNEL_WIN_WHEEL"), os.environ.get("TUNNEL_WIN_EXE")
+    if not (wheel and binary):
+        r = subprocess.run([str(REPO / "packaging" / "build.sh"), "--target", TRIPLE],
+                           capture_output=True, text=True, timeout=1400)
+        assert r.returncode == 0, f"packaging/build.sh failed:\n{r.stderr[-6000:]}"
+        wheel, binary = r.stdout.split()[-2:]
+    wheel, binary = Path(wheel), Path(binary)
+    version = tomllib.loads((REPO / "Cargo.toml").read_text())["workspace"]["package"]["version"]
+    assert wheel.name == f"gpunb_tunnel-{version}-py3-none-win_amd64.whl", wheel.name
+    with zipfile.ZipFile(wheel) as z:
+        payload = [n for n in z.namelist() if ".dist-info/" not in n]
+        assert payload == [f"gpunb_tunnel-{version}.data/scripts/tunnel.exe"], payload
+        assert z.read(payload[0]) == binary.read_bytes()
+    r = subprocess.run(["wine", str(binary), "--version"], capture_output=True, text=True,
+                       timeout=120, env=wine_env())
+    assert r.returncode == 0 and r.stdout.strip() == f"tunnel {version}", r
+    # The Windows notes are in --help, as the README promises.
+    r = subprocess.run(["wine", str(binary), "--help"], capture_output=True, text=True,
+                       timeout=120, env=wine_env())
+    assert r.returncode == 0 and "On Windows:" in r.stdout and "openssh-ssh-agent" in r.stdout
