@@ -2,34 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-
 import pytest
 import requests
 
 from sshd import free_port
-from tunnel_harness import EXIT, port_of, token_of
+from tunnel_harness import EXIT, port_of, ssh_agent, token_of
 
 
 @pytest.fixture
 def agent(tmp_path, sshd):
     """An ssh-agent holding the authorized client key (and nothing on disk is configured)."""
-    sock = tmp_path / "agent.sock"
-    proc = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            if sock.exists():
-                break
-            subprocess.run(["sleep", "0.05"])
-        subprocess.run(["ssh-add", str(sshd.client_key)], env={**os.environ, "SSH_AUTH_SOCK": str(sock)},
-                       check=True, capture_output=True)
+    with ssh_agent(tmp_path / "agent.sock", [sshd.client_key]) as sock:
         yield sock
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=10)
 
 
 def test_agent_key_and_explicit_port(tunnel, sshd, agent, tmp_path):

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 
 import pytest
 
 from sshd import Sshd
-from tunnel_harness import EXIT, run_tunnel
+from tunnel_harness import EXIT, run_tunnel, ssh_agent
 
 
 def test_a_banner_cannot_send_terminal_controls(tmp_path, state_dir, tunnel_bin, jupyter_prefix):
@@ -30,21 +29,8 @@ def test_a_banner_cannot_send_terminal_controls(tmp_path, state_dir, tunnel_bin,
 @pytest.fixture
 def agent_with_both_keys(tmp_path, sshd):
     """An ssh-agent holding the authorized key and the stranger key."""
-    sock = tmp_path / "agent.sock"
-    proc = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            if sock.exists():
-                break
-            subprocess.run(["sleep", "0.05"])
-        env = {**os.environ, "SSH_AUTH_SOCK": str(sock)}
-        for key in (sshd.client_key, sshd.other_key):
-            subprocess.run(["ssh-add", str(key)], env=env, check=True, capture_output=True)
+    with ssh_agent(tmp_path / "agent.sock", [sshd.client_key, sshd.other_key]) as sock:
         yield sock
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=10)
 
 
 def in_home(home, argv, env, timeout=90) -> subprocess.CompletedProcess:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -168,6 +169,22 @@ def run_tunnel(binary, state_dir, *args, timeout=60, env=None) -> subprocess.Com
         [str(binary), *args], stdin=subprocess.DEVNULL, capture_output=True, text=True,
         timeout=timeout, env=tunnel_env(state_dir, env),
     )
+
+
+@contextlib.contextmanager
+def ssh_agent(sock: Path, keys):
+    """A real ssh-agent listening on `sock` and holding `keys`, stopped on exit."""
+    proc = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_until(sock.exists, timeout=5, interval=0.05)
+        env = {**os.environ, "SSH_AUTH_SOCK": str(sock)}
+        for key in keys:
+            subprocess.run(["ssh-add", str(key)], env=env, check=True, capture_output=True)
+        yield sock
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
 
 
 def token_of(url: str) -> str:

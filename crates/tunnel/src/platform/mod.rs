@@ -27,6 +27,17 @@ mod windows;
 #[cfg(windows)]
 pub use windows::*;
 
+/// The local user as ssh sees them (`me()` fills it per platform): the home
+/// (passwd entry or `$HOME`; on Windows the profile directory), the account
+/// name (lowercased on Windows), the uid (1 on Windows, its getuid()), and
+/// this machine's host name.
+pub struct Me {
+    pub home: Option<std::path::PathBuf>,
+    pub name: String,
+    pub uid: u32,
+    pub hostname: String,
+}
+
 /// Test helper: only the owner may open `path` (mode 0600/0700; on Windows
 /// an owner-only DACL). Under Wine, which keeps no DACLs, it says so and
 /// checks nothing: the DACL itself is tested in `sddl`.

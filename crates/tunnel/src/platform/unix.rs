@@ -146,14 +146,7 @@ pub fn is_tunnel_alive(pid: u32) -> bool {
 
 /// The user as ssh sees them: passwd home (else `$HOME`), name, uid, and
 /// this machine's name.
-pub struct Me {
-    pub home: Option<PathBuf>,
-    pub name: String,
-    pub uid: u32,
-    pub hostname: String,
-}
-
-pub fn me() -> Me {
+pub fn me() -> super::Me {
     let uid = nix::unistd::getuid();
     let entry = nix::unistd::User::from_uid(uid).ok().flatten();
     let home = match &entry {
@@ -170,7 +163,7 @@ pub fn me() -> Me {
     let hostname = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();
-    Me {
+    super::Me {
         home,
         name,
         uid: uid.as_raw(),

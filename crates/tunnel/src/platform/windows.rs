@@ -489,20 +489,13 @@ pub fn is_tunnel_alive(pid: u32) -> bool {
 /// The user as OpenSSH for Windows sees them: the profile directory as the
 /// home, the lowercased account name, uid 1 (its getuid()), and the DNS
 /// host name.
-pub struct Me {
-    pub home: Option<PathBuf>,
-    pub name: String,
-    pub uid: u32,
-    pub hostname: String,
-}
-
-pub fn me() -> Me {
+pub fn me() -> super::Me {
     let name = std::env::var("USERNAME")
         .ok()
         .filter(|u| !u.is_empty())
         .map(|u| u.to_lowercase())
         .unwrap_or_else(|| "user".into());
-    Me {
+    super::Me {
         home: dirs::home_dir(),
         name,
         uid: 1,

@@ -370,20 +370,11 @@ fn search_and_confirm(
     let mut trial_ms = Vec::new();
     let mut trial_reserved = Vec::new();
     let probe = |batch: u64| -> Result<Outcome, Stop> {
-        let reply = trial(session, live, batch, STEPS_PER_TRIAL, 0, trial_limit)?;
-        let outcome = outcome(&reply, batch, held_before)?;
+        let (reply, outcome, _) =
+            shown_trial(session, live, batch, (limit, held_before), trial_limit)?;
         trial_ms.push((batch, reply.ms));
         if let (Outcome::Ran { .. }, Some(r)) = (outcome, reply.peak_reserved) {
             trial_reserved.push((batch, r));
-        }
-        live.show(Line::Trial {
-            batch,
-            outcome,
-            fits: matches!(outcome, Outcome::Ran { peak, .. } if peak <= limit),
-            ms: reply.ms,
-        });
-        if session.ctx.cancel.is_cancelled() {
-            return Err(Stop::Cancelled);
         }
         Ok(outcome)
     };
@@ -468,20 +459,9 @@ fn confirm(
         ms: 0.0,
     };
     for batch in candidates.take(CONFIRM_TRIES) {
-        let reply =
-            trial(session, live, batch, STEPS_PER_TRIAL, 0, trial_limit).map_err(stop_error)?;
-        let outcome = outcome(&reply, batch, held_before).map_err(stop_error)?;
-        let fits = matches!(outcome, Outcome::Ran { peak, .. } if peak <= limit);
-        live.show(Line::Trial {
-            batch,
-            outcome,
-            fits,
-            ms: reply.ms,
-        });
+        let (reply, _, fits) = shown_trial(session, live, batch, (limit, held_before), trial_limit)
+            .map_err(stop_error)?;
         confirmation.ms += reply.ms;
-        if session.ctx.cancel.is_cancelled() {
-            return Err(MagicError::interrupted());
-        }
         if fits {
             confirmation.batch = Some(batch);
             break;
@@ -489,6 +469,30 @@ fn confirm(
         confirmation.failed.push(batch);
     }
     Ok(confirmation)
+}
+
+/// One search-sized trial (STEPS_PER_TRIAL steps), its outcome on the live display; whether
+/// it fits `limit`; stopped if the user interrupted meanwhile.
+fn shown_trial(
+    session: &Session,
+    live: &Live,
+    batch: u64,
+    (limit, held_before): (u64, u64),
+    trial_limit: Duration,
+) -> Result<(TrialReply, Outcome, bool), Stop> {
+    let reply = trial(session, live, batch, STEPS_PER_TRIAL, 0, trial_limit)?;
+    let outcome = outcome(&reply, batch, held_before)?;
+    let fits = matches!(outcome, Outcome::Ran { peak, .. } if peak <= limit);
+    live.show(Line::Trial {
+        batch,
+        outcome,
+        fits,
+        ms: reply.ms,
+    });
+    if session.ctx.cancel.is_cancelled() {
+        return Err(Stop::Cancelled);
+    }
+    Ok((reply, outcome, fits))
 }
 
 /// One trial, shown live while it runs.
