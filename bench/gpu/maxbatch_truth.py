@@ -28,12 +28,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import device_kernels  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(os.environ.get("GPUKERNEL_BIN", ROOT / ".device" / "gpukernel"))
 OUT = Path(os.environ.get("OUT", "."))
 CAP_GIB = float(os.environ.get("CAP_GIB", "24"))
 # SURVEY=1: a quicker run, without the baseline search and the libtorch rows. Every run records
@@ -303,23 +304,14 @@ STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum"}
 
 
 def main() -> int:
-    import torch  # only for its lib dir
-
-    torch_lib = str(Path(torch.__file__).parent / "lib")
-    os.environ["LD_LIBRARY_PATH"] = torch_lib + ":" + os.environ.get("LD_LIBRARY_PATH", "")
-    os.environ["GPUKERNEL_TORCH_PLUGIN"] = str(ROOT / ".device" / "libgpuprobe_torch.so")
-    prefix = Path(tempfile.mkdtemp(prefix="gpukernel-specs-"))
-    subprocess.run([str(BIN), "install", "--prefix", str(prefix), "--python", sys.executable],
-                   check=True)
-    os.environ["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
-    sys.path.insert(0, str(ROOT / "tests" / "python"))
+    torch_version = device_kernels.install()
     from kernel_client import collect, execute, running_kernel
 
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                           "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
     wanted = sys.argv[1:] or list(ROWS)
     results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": smi, "cap_gib": CAP_GIB,
-               "torch": torch.__version__, "command": "python3 bench/gpu/maxbatch_truth.py "
+               "torch": torch_version, "command": "python3 bench/gpu/maxbatch_truth.py "
                + " ".join(sys.argv[1:]), "rows": []}
     out_file = OUT / "maxbatch_truth.json"
 

@@ -37,8 +37,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import device_kernels  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(os.environ.get("GPUKERNEL_BIN", ROOT / ".device" / "gpukernel"))
 OUT = Path(os.environ.get("OUT", "."))
 MIB = 1 << 20
 GIB = 1 << 30
@@ -163,20 +165,11 @@ def when(msg: dict) -> datetime:
 
 
 def main() -> int:
-    import torch  # only for its lib dir
-
-    torch_lib = str(Path(torch.__file__).parent / "lib")
-    os.environ["LD_LIBRARY_PATH"] = torch_lib + ":" + os.environ.get("LD_LIBRARY_PATH", "")
-    os.environ["GPUKERNEL_TORCH_PLUGIN"] = str(ROOT / ".device" / "libgpuprobe_torch.so")
-    prefix = Path(tempfile.mkdtemp(prefix="gpukernel-specs-"))
-    subprocess.run([str(BIN), "install", "--prefix", str(prefix), "--python", sys.executable],
-                   check=True)
-    os.environ["JUPYTER_PATH"] = str(prefix / "share" / "jupyter")
-    sys.path.insert(0, str(ROOT / "tests" / "python"))
+    torch_version = device_kernels.install()
     from kernel_client import execute, running_kernel
 
     wanted = sys.argv[1:] or ["too_big", "fragmented", "stale_holder"]
-    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch.__version__,
+    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "torch": torch_version,
                "gpu": subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                                       "--format=csv,noheader"], capture_output=True,
                                      text=True).stdout.strip(),
