@@ -152,15 +152,20 @@ enum CallError {
 }
 
 impl CallError {
+    /// The user's interrupt: seen while waiting, or raised in the Python kernel outside a
+    /// trial's own handler (while a state was put back, say), not a failure of ours.
+    fn is_interrupt(&self) -> bool {
+        match self {
+            CallError::Eval(EvalError::Cancelled) => true,
+            CallError::Eval(EvalError::Raised { ename, .. }) => ename == "KeyboardInterrupt",
+            _ => false,
+        }
+    }
+
     fn into_magic(self) -> MagicError {
         match self {
+            e if e.is_interrupt() => MagicError::interrupted(),
             CallError::Refused(why) => MagicError::usage(format!("%maxbatch: {why}")),
-            CallError::Eval(EvalError::Cancelled) => MagicError::interrupted(),
-            // The interrupt reached the Python kernel outside a trial's own handler (while a
-            // state was put back, say): still the user's interrupt, not a failure of ours.
-            CallError::Eval(EvalError::Raised { ename, .. }) if ename == "KeyboardInterrupt" => {
-                MagicError::interrupted()
-            }
             other => MagicError::new("MaxBatchError", other.to_string()),
         }
     }
@@ -522,12 +527,7 @@ fn trial(
 /// Why a trial call ended the search.
 fn trial_stop(e: CallError, batch: u64) -> Stop {
     match e {
-        CallError::Eval(EvalError::Cancelled) => Stop::Cancelled,
-        // The interrupt reached the Python kernel outside the step's own handler (while
-        // the state was put back, say): still the user's interrupt.
-        CallError::Eval(EvalError::Raised { ename, .. }) if ename == "KeyboardInterrupt" => {
-            Stop::Cancelled
-        }
+        e if e.is_interrupt() => Stop::Cancelled,
         CallError::Eval(EvalError::TimedOut(limit)) => Stop::Failed(format!(
             "the trial at batch {batch} ran past {} s (--trial-timeout) and was interrupted; \
                  your state was put back. A first step that compiles (torch.compile) can take \
