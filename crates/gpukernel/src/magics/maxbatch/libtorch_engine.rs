@@ -366,6 +366,7 @@ fn findings(
         margin_percent: args.margin,
         throughput: None,
         confirmation: None,
+        timings: None,
     }
 }
 

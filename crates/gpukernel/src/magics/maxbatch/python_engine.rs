@@ -4,7 +4,7 @@
 //! back and the private module removed even after an error or an interrupt.
 
 use super::report::{
-    Assumptions, Card, Confirmation, EngineKind, Findings, Held, Line, Live, Throughput,
+    Assumptions, Card, Confirmation, EngineKind, Findings, Held, Line, Live, Throughput, Timings,
 };
 use super::{Args, SearchKind};
 use crate::magics::python::{module_call_expression, Bound, EvalError, PythonKernel};
@@ -15,6 +15,7 @@ use gpuprobe::units::human_bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,8 @@ struct Prepared {
     describe: Described,
     memory: Memory,
     output: Option<OutputInfo>,
+    #[serde(default)]
+    timings_ms: BTreeMap<String, f64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -125,11 +128,26 @@ struct TrialReply {
     peak_reserved: Option<u64>,
     #[serde(default)]
     samples_per_s: Option<f64>,
+    #[serde(default)]
+    settle_ms: f64,
+    #[serde(default)]
+    cleanup_ms: Cleanup,
+}
+
+/// What a trial spent after its steps, in ms.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+struct Cleanup {
+    collect: f64,
+    empty_cache: f64,
+    restore: f64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
 struct Closed {
     memory: Option<Memory>,
+    #[serde(default)]
+    timings_ms: BTreeMap<String, f64>,
 }
 
 /// `trials.py` answers a request it cannot serve with `{"refused": why}`.
@@ -176,6 +194,7 @@ struct Session<'a> {
     python: &'a dyn PythonKernel,
     ctx: &'a MagicContext<'a>,
     closed: Option<Closed>,
+    timings: RefCell<Timings>,
 }
 
 impl<'a> Session<'a> {
@@ -187,6 +206,7 @@ impl<'a> Session<'a> {
         tick: &mut dyn FnMut(Duration),
     ) -> Result<T, CallError> {
         let expression = module_call_expression(KEY, SOURCE, function, &args);
+        let started = Instant::now();
         let text = self.python.evaluate_bounded(
             &expression,
             Bound {
@@ -194,7 +214,9 @@ impl<'a> Session<'a> {
                 cancel: self.ctx.cancel,
                 tick,
             },
-        )?;
+        );
+        self.timed(function, started.elapsed());
+        let text = text?;
         match serde_json::from_str::<Reply<T>>(&text) {
             Ok(Reply::Served(value)) => Ok(value),
             Ok(Reply::Refused { refused }) => Err(CallError::Refused(refused)),
@@ -202,10 +224,36 @@ impl<'a> Session<'a> {
         }
     }
 
+    /// Adds a call's time, end to end, to its phase.
+    fn timed(&self, function: &str, took: Duration) {
+        let ms = took.as_secs_f64() * 1000.0;
+        let mut t = self.timings.borrow_mut();
+        match function {
+            "prepare" => t.prepare += ms,
+            "set_loss" => t.set_loss += ms,
+            "close" => t.close += ms,
+            "trial" => t.trial_calls += ms,
+            _ => {}
+        }
+    }
+
+    /// Adds what the Python side measured inside a trial.
+    fn timed_trial(&self, reply: &TrialReply) {
+        let mut t = self.timings.borrow_mut();
+        t.steps += reply.ms;
+        t.settle += reply.settle_ms;
+        t.collect += reply.cleanup_ms.collect;
+        t.empty_cache += reply.cleanup_ms.empty_cache;
+        t.restore += reply.cleanup_ms.restore;
+    }
+
     fn close(&mut self) -> Option<&Closed> {
         if self.closed.is_none() {
             match self.call::<Closed>("close", json!({}), SETUP_LIMIT, &mut |_| {}) {
-                Ok(closed) => self.closed = Some(closed),
+                Ok(closed) => {
+                    self.timings.get_mut().close_laps = closed.timings_ms.clone();
+                    self.closed = Some(closed);
+                }
                 Err(e) => tracing::warn!("%maxbatch could not close its Python session: {e}"),
             }
         }
@@ -250,10 +298,12 @@ pub(super) fn run(
         python,
         ctx,
         closed: None,
+        timings: RefCell::default(),
     };
     let prepared: Prepared = session
         .call("prepare", json!({ "spec": spec }), SETUP_LIMIT, &mut |_| {})
         .map_err(CallError::into_magic)?;
+    session.timings.get_mut().prepare_laps = prepared.timings_ms.clone();
     let loss = plan_loss(&session, args, &prepared)?;
     let assumptions = assumptions(args, &spec, &prepared, loss.as_ref());
     let trial_limit = Duration::from_secs_f64(args.trial_timeout);
@@ -305,6 +355,7 @@ pub(super) fn run(
         margin_percent: args.margin,
         throughput: None,
         confirmation: searched.confirmation,
+        timings: None,
     };
     if args.throughput {
         findings.throughput = Some(throughput(&session, &live, &findings, trial_limit)?);
@@ -317,6 +368,7 @@ pub(super) fn run(
         ),
         None => "afterwards: the Python session could not be closed (see the kernel log)".into(),
     };
+    findings.timings = Some(session.timings.borrow().clone());
     findings.elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
     ctx.out.emit(Output::value_or_display(
         super::report::summary(&findings),
@@ -514,14 +566,16 @@ fn trial(
         elapsed: Duration::ZERO,
     });
     let mut tick = |elapsed| live.show(Line::Running { batch, elapsed });
-    session
+    let reply = session
         .call::<TrialReply>(
             "trial",
             json!({"batch": batch, "steps": steps, "timed": timed}),
             limit,
             &mut tick,
         )
-        .map_err(|e| trial_stop(e, batch))
+        .map_err(|e| trial_stop(e, batch))?;
+    session.timed_trial(&reply);
+    Ok(reply)
 }
 
 /// Why a trial call ended the search.

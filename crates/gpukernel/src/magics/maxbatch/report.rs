@@ -7,6 +7,7 @@ use gpuprobe::search::{Outcome, SearchResult};
 use gpuprobe::units::human_bytes;
 use serde::Serialize;
 use serde_json::json;
+use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -217,6 +218,28 @@ pub(super) struct Findings {
     pub(super) throughput: Option<Throughput>,
     /// The recommendation run as a trial of its own (python engine, unless `--no-confirm`).
     pub(super) confirmation: Option<Confirmation>,
+    pub(super) timings: Option<Timings>,
+}
+
+/// Where a python-engine search's time went, in ms: each side-channel call end to end, and
+/// what the Python side measured inside the trials (summed over the search's and the
+/// confirmation's). What a call took beyond its Python-side parts is the side channel's.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(super) struct Timings {
+    pub(super) prepare: f64,
+    pub(super) set_loss: f64,
+    pub(super) close: f64,
+    pub(super) trial_calls: f64,
+    /// Inside the trials: the steps themselves, the cache emptied before the first, the
+    /// step's garbage collected, the cache emptied after it, the state put back.
+    pub(super) steps: f64,
+    pub(super) settle: f64,
+    pub(super) collect: f64,
+    pub(super) empty_cache: f64,
+    pub(super) restore: f64,
+    /// The Python side's own laps of `prepare` and `close`.
+    pub(super) prepare_laps: BTreeMap<String, f64>,
+    pub(super) close_laps: BTreeMap<String, f64>,
 }
 
 /// The trials that ran the recommendation itself, from the state the user's training starts in.
@@ -355,7 +378,7 @@ pub(super) fn summary(f: &Findings) -> Bundle {
         "throughput": f.throughput.as_ref().map(|t| json!({"points": t.points, "fastest": t.best})),
         "trials": search.trials, "stopped": search.stopped, "trial_ms": f.trial_ms,
         "trial_reserved": f.trial_reserved, "elapsed_ms": f.elapsed_ms, "notes": f.notes,
-        "confirmation": f.confirmation,
+        "confirmation": f.confirmation, "timings_ms": f.timings,
     });
     data.insert("application/json".into(), value);
     data
@@ -515,6 +538,7 @@ mod tests {
             margin_percent: 5.0,
             throughput: None,
             confirmation: None,
+            timings: None,
         }
     }
 

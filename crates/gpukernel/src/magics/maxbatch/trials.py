@@ -388,13 +388,15 @@ class ModuleStep:
         return torch.randn(shape, device=self.device, dtype=self.dtype)
 
     def probe_output(self):
-        """The output's shape and dtype for a batch of 2, without gradients (state is put back
-        by the caller's snapshot)."""
+        """The output's shape and dtype for a batch of 2 (state is put back by the caller's
+        snapshot). The forward runs in the step's own mode, gradients on for training: the
+        kernels it loads are the step's (a first no_grad forward under autocast loaded others,
+        0.6-0.7 s on an H200), and its graph goes with the output."""
         torch = self.torch
         self.model.train(not self.inference)
         x = self.make_input(2)
         try:
-            with torch.no_grad(), self._autocast():
+            with torch.set_grad_enabled(not self.inference), self._autocast():
                 out = self.model(x)
         except Exception as err:
             what = "token ids" if self.vocab else str(self.dtype).replace("torch.", "")
@@ -577,18 +579,26 @@ class Session:
 
     def freeze_heap(self):
         """Moves every object alive now (the notebook's whole heap) out of the collector's
-        view, so the collection after each trial scans only what the trial made: a full one
-        costs 30-100 ms with torch imported, paid after every trial. Left alone where the
-        user froze the heap themselves."""
-        self.froze = gc.get_freeze_count() == 0
-        if self.froze:
-            gc.collect()
-            gc.freeze()
+        view, so that the collection after each trial, and those the step itself triggers,
+        scan only what the trials made: a full one costs 170 ms in a notebook with a model on
+        an H200 (bench/gpu/cleanup_probe.py), paid after every trial. Frozen whatever was
+        frozen before (ipykernel's Python 3.12 had 375 objects frozen), so `thaw_heap` also
+        gives those back to the collector: freezing only ever saves collection time."""
+        gc.collect()
+        gc.freeze()
+        self.froze = True
 
     def thaw_heap(self):
+        """Gives the heap back to the collector; whether it collected (the session's garbage)."""
         if getattr(self, "froze", False):
+            # What the trials left is collected before the heap comes back into view (cheap:
+            # the frozen heap is not scanned); the heap itself needs no collection, it was
+            # collected when frozen and the restore frees by reference count.
+            gc.collect()
             gc.unfreeze()
             self.froze = False
+            return True
+        return False
 
     def _settle(self, collect=True):
         if collect:
@@ -609,6 +619,7 @@ class Session:
     def trial(self, batch, steps, timed=0):
         torch = self.torch
         self.trials += 1
+        began = time.perf_counter()
         if not self.settled:  # the previous trial's end left the cache empty and nothing to collect
             self._settle()
         self.settled = False
@@ -616,7 +627,7 @@ class Session:
         if self.on_gpu():
             torch.cuda.reset_peak_memory_stats(d)
         before_ooms = self._num_ooms()
-        result = {"batch": batch}
+        result = {"batch": batch, "settle_ms": (time.perf_counter() - began) * 1000.0}
         started = time.perf_counter()
         try:
             self.step.run(batch, steps)
@@ -651,12 +662,17 @@ class Session:
             result["peak_allocated"] = torch.cuda.max_memory_allocated(d)
             result["peak_reserved"] = torch.cuda.max_memory_reserved(d)
         t0 = time.perf_counter()
-        self._settle()  # the step's garbage (cycles too) goes before the state comes back
+        gc.collect()  # the step's garbage (cycles too) goes before the state comes back
+        t1 = time.perf_counter()
+        self._settle(collect=False)
+        t2 = time.perf_counter()
         self.restore()
         # The restore frees by reference count (no cycles): no second collection.
         self._settle(collect=False)
         self.settled = True
-        result["restore_ms"] = (time.perf_counter() - t0) * 1000.0
+        # Where the time between two trials goes (the benchmark's breakdown of a search).
+        result["cleanup_ms"] = {"collect": (t1 - t0) * 1000.0, "empty_cache": (t2 - t1) * 1000.0,
+                                "restore": (time.perf_counter() - t2) * 1000.0}
         if self.on_gpu():
             result["allocated_after"] = torch.cuda.memory_allocated(d)
         return result
@@ -683,18 +699,39 @@ def prepare(user_ns, spec):
     runs one forward pass to see the output. Returns what gpukernel needs for the search."""
     global _session
     _end_session()
+    clock = _Clock()
     session = Session(user_ns, spec)
     _session = session
+    clock.lap("session")  # finding the state and copying it to host memory
     reply = {"describe": session.describe(), "memory": session.memory(), "output": None}
+    clock.lap("describe")
     if isinstance(session.step, ModuleStep):
         try:
             reply["output"] = session.step.probe_output()
+            clock.lap("probe")
         finally:
             session.restore()
-            session._settle()
-        reply["memory"] = session.memory()
-    session.freeze_heap()
+            clock.lap("restore")
+    session.freeze_heap()  # one full collection, which also takes the probe's garbage
+    clock.lap("freeze")
+    session._settle(collect=False)
+    session.settled = True  # the first trial starts from an empty cache, nothing to collect
+    clock.lap("settle")
+    reply["memory"] = session.memory()
+    reply["timings_ms"] = clock.laps
     return reply
+
+
+class _Clock:
+    """Named laps in ms: where the fixed cost of a search goes."""
+
+    def __init__(self):
+        self.laps, self._last = {}, time.perf_counter()
+
+    def lap(self, name):
+        now = time.perf_counter()
+        self.laps[name] = (now - self._last) * 1000.0
+        self._last = now
 
 
 def set_loss(user_ns, plan):
@@ -738,16 +775,21 @@ def _end_session():
     session, _session = _session, None
     if session is None:
         return {"closed": False}
+    clock = _Clock()
+    collected = False
     try:
         session.restore()
+        clock.lap("restore")
     finally:
-        session.thaw_heap()
+        collected = session.thaw_heap()
         if session.saved_fraction is not None:
             session.torch.cuda.set_per_process_memory_fraction(session.saved_fraction,
                                                                session.device)
     del session.snapshot
-    session._settle()
-    return {"closed": True, "memory": session.memory()}
+    clock.lap("release")
+    session._settle(collect=not collected)  # a session that never froze: a full collection
+    clock.lap("settle")
+    return {"closed": True, "memory": session.memory(), "timings_ms": clock.laps}
 
 
 def _current():
