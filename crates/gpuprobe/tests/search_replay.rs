@@ -5,11 +5,17 @@
 //! curve; a batch above the true maximum runs out of memory. The issue's targets hold here:
 //! every answer within 1.5% below the truth, at most 10 trials, 6 in the median; and the
 //! search's compute, by a cost model, a third of Lightning's double-then-bisect to the exact
-//! maximum on the same curves. Cost model: a trial that fits runs 3 steps of `batch` samples;
-//! one that does not fails within its first step (counted as one whole step). The same
-//! quantity measured on the GPU is `seconds` vs `baseline_seconds` in maxbatch-truth-*.json.
+//! maximum on the same curves. With the trial %maxbatch adds to run its recommendation (unless
+//! the search ran that batch), the figure is 0.445, not a third: that is guarded at its
+//! level, not passed off as the target. Cost model: a trial that fits runs 3 steps of `batch`
+//! samples; one that does not fails within its first step (counted as one whole step). It
+//! leaves out each step's fixed cost (the optimizer step, launches), which makes small trials
+//! dearer than their samples on the GPU: measured there, `seconds` vs `baseline_seconds` in
+//! maxbatch-truth-*.json, the ratio is higher still.
 
-use gpuprobe::search::{double_then_bisect, search, Outcome, SearchConfig, SearchResult, Stop};
+use gpuprobe::search::{
+    double_then_bisect, recommend, search, Outcome, SearchConfig, SearchResult, Stop,
+};
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -70,6 +76,9 @@ fn interpolate(points: &[(u64, u64, u64)], batch: u64) -> (u64, u64) {
     (at(a.1, b.1), at(a.2, b.2))
 }
 
+/// The recommendation's margin, as %maxbatch's default.
+const MARGIN: f64 = 0.05;
+
 /// Sample-steps of compute a search's trials cost (see the module doc).
 fn cost(result: &SearchResult) -> f64 {
     result
@@ -77,6 +86,14 @@ fn cost(result: &SearchResult) -> f64 {
         .iter()
         .map(|t| t.batch as f64 * if t.fits { 3.0 } else { 1.0 })
         .sum()
+}
+
+/// The trial %maxbatch adds to run its recommendation, unless the search ran it already
+/// (below the true maximum, so it fits here): its batch, or `None`.
+fn confirmation(result: &SearchResult) -> Option<u64> {
+    let rec = recommend(result.max_fit?, MARGIN);
+    let ran = result.trials.iter().any(|t| t.batch == rec && t.fits);
+    (!ran).then_some(rec)
 }
 
 #[test]
@@ -87,7 +104,9 @@ fn measured_curves_are_searched_to_within_tolerance_at_a_third_of_the_cost() {
         "no maxbatch-survey-*.json in bench/results"
     );
     let mut counts = Vec::new();
-    let mut costs = (0.0, 0.0);
+    let mut confirmed_counts = Vec::new();
+    // (the search's, the search's and its confirming trial's, the baseline's)
+    let mut costs = (0.0, 0.0, 0.0);
     for (path, survey) in &surveys {
         let limit = (survey.cap_gib * (1u64 << 30) as f64) as u64;
         for row in survey.rows.iter().filter(|r| r.engine == "python") {
@@ -127,16 +146,19 @@ fn measured_curves_are_searched_to_within_tolerance_at_a_third_of_the_cost() {
             };
             let baseline = double_then_bisect(&exact, 2, probe);
             assert_eq!(baseline.max_fit, Some(truth), "{}", row.model);
+            let confirm = confirmation(&result);
+            let ours = cost(&result) + confirm.map_or(0.0, |b| 3.0 * b as f64);
             costs.0 += cost(&result);
-            costs.1 += cost(&baseline);
+            costs.1 += ours;
+            costs.2 += cost(&baseline);
             let found = result.max_fit.unwrap_or(0);
             let tried: Vec<(u64, bool)> = result.trials.iter().map(|t| (t.batch, t.fits)).collect();
             let what = format!(
                 "{} ({}): found {found}, true {truth}, cost {:.2} of the baseline's {} trials, \
-                 trials {tried:?}",
+                 trials {tried:?}, then confirmed {confirm:?}",
                 row.model,
                 path.display(),
-                cost(&result) / cost(&baseline),
+                ours / cost(&baseline),
                 baseline.trials.len(),
             );
             assert!(
@@ -146,12 +168,27 @@ fn measured_curves_are_searched_to_within_tolerance_at_a_third_of_the_cost() {
             assert!(result.trials.len() <= 10, "{what}");
             eprintln!("{what}");
             counts.push(result.trials.len());
+            confirmed_counts.push(result.trials.len() + usize::from(confirm.is_some()));
         }
     }
     counts.sort_unstable();
+    confirmed_counts.sort_unstable();
     let median = counts[counts.len() / 2];
+    eprintln!("search trials {counts:?}; with the confirming trial {confirmed_counts:?}");
     assert!(median <= 6, "median {median} trials: {counts:?}");
-    let ratio = costs.0 / costs.1;
-    eprintln!("cost: {ratio:.3} of the baseline's");
-    assert!(ratio <= 1.0 / 3.0, "cost {ratio:.3} of the baseline's");
+    let (search_only, confirmed) = (costs.0 / costs.2, costs.1 / costs.2);
+    eprintln!(
+        "cost: the search {search_only:.3} of the baseline's, with the confirming trial \
+         {confirmed:.3}"
+    );
+    assert!(
+        search_only <= 1.0 / 3.0,
+        "cost {search_only:.3} of the baseline's"
+    );
+    // The issue's third is not met once the recommendation is run too (a trial of 3 steps
+    // near the maximum): a guard against regressions at the level measured, not the target.
+    assert!(
+        confirmed <= 0.45,
+        "cost with the confirming trial {confirmed:.3}"
+    );
 }
