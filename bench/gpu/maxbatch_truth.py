@@ -363,6 +363,7 @@ def main() -> int:
             # Interrupt in the middle of a search: once the live display shows trials have
             # begun, then time the reply and check the model came back bit for bit.
             run(kc, "make('vit_i', ViT, images(224, 1000))")
+            results["interrupt"] = {"allocated_before": value(kc, "torch.cuda.memory_allocated()")}
             checksum = "sum(float(p.double().sum()) for p in vit_i.parameters())"
             before = value(kc, checksum)
             msg = kc.execute("%maxbatch vit_i --input 3x224x224")
@@ -376,13 +377,20 @@ def main() -> int:
             t0 = time.time()
             km.interrupt_kernel()
             reply, _ = collect(kc, msg, timeout=60)
-            results["interrupt"] = {"reply_seconds": time.time() - t0,
+            results["interrupt"] |= {"reply_seconds": time.time() - t0,
                                     "display_updates_before": shown,
                                     "status": reply["content"]["status"],
                                     "ename": reply["content"].get("ename")}
             results["interrupt"]["next_cell_ok"] = run(kc, "print(1)")[1] is None
             results["interrupt"]["parameters_unchanged"] = value(kc, checksum) == before
             run(kc, "drop('vit_i')")
+            # Nothing of the cut trial may stay on the GPU: what the kernel holds after the
+            # model is dropped, next to what it held before the search.
+            results["interrupt"]["allocated_after_drop"] = value(
+                kc, "torch.cuda.memory_allocated()")
+            results["interrupt"]["gc_freeze_count"] = value(kc, "gc.get_freeze_count()")
+            results["interrupt"]["last_error_kept"] = value(
+                kc, "repr(getattr(__import__('sys'), 'last_type', None))")
             save()
         for name in wanted:
             setup, args, libtorch = ROWS[name]
@@ -413,7 +421,7 @@ def main() -> int:
                 continue
             truth = value(kc, f"true_max({key!r}, {ours.get('max_batch') or 8}, True)")
             row["true_max"], row["true_max_probes"] = truth["true_max"], truth["probes"]
-            row["curve"] = truth["curve"]
+            row["curve"] = truth.get("curve", [])
             if ours.get("recommended"):
                 row["steps_ok_at_recommended"] = value(kc, f"steps_ok({key!r}, {ours['recommended']})")
             if ours.get("max_batch") and os.environ.get("AT_MAX"):  # 30 steps at the max too

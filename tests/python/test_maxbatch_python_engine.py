@@ -424,3 +424,26 @@ def test_the_heap_is_frozen_for_the_trials_only_even_over_an_earlier_freeze(tria
         del heap
     finally:
         gc.unfreeze()
+
+
+def test_an_interrupt_that_escaped_a_call_lets_its_tensors_go_at_close(trials):
+    import sys
+    import weakref
+
+    import torch
+
+    # As IPython keeps it after an interrupt escaped one of the module's silent calls: the
+    # traceback's frames (here `trial`'s, holding the namespace) keep the tensors alive.
+    big = torch.zeros(1000)
+    alive = weakref.ref(big)
+    ns = {"big": big}
+    del big
+    try:
+        trials.trial(ns, 4)  # no session open: raises inside the module
+    except Exception:
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
+    del ns
+    assert alive() is not None
+    trials.close()
+    assert alive() is None, "close clears the escaped call's frames"
+    assert sys.last_traceback is None

@@ -644,8 +644,10 @@ class Session:
             # failures: the user's loop would have gone on just the same.
             result["result"] = "ran"
             result["caught_ooms"] = self._num_ooms() - before_ooms
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as err:
             result["result"] = "interrupted"
+            _drop_frames(err)
+            del err
         except BaseException as err:  # the step's own failure: reported, the state put back
             if self._is_oom(err, before_ooms):
                 result["result"] = "out_of_memory"
@@ -654,8 +656,7 @@ class Session:
                 result["result"] = "error"
                 result["error"] = {"ename": type(err).__name__, "evalue": str(err),
                                    "where": _where(err)}
-            # Its frames hold the step's tensors: let them go before the state is put back.
-            err.__traceback__ = err.__context__ = err.__cause__ = None
+            _drop_frames(err)
             del err
         result["ms"] = (time.perf_counter() - started) * 1000.0
         if self.on_gpu():
@@ -676,6 +677,30 @@ class Session:
         if self.on_gpu():
             result["allocated_after"] = torch.cuda.memory_allocated(d)
         return result
+
+
+def _drop_frames(err):
+    """An exception's frames hold the step's tensors (the activations of the step it cut
+    short): they go before the state is put back."""
+    err.__traceback__ = err.__context__ = err.__cause__ = None
+
+
+def _release_escaped(module_globals):
+    """An interrupt that escaped one of this module's calls (landing between two statements
+    of a restore, say) left its traceback where IPython keeps the last error (sys.last_*),
+    holding this module's frames and, through them, tensors: the user never saw that error
+    (the call was silent), so its frames are cleared and it is forgotten."""
+    import traceback
+    tb = getattr(sys, "last_traceback", None)
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    if any(f.f_globals is module_globals for f in frames):
+        traceback.clear_frames(sys.last_traceback)
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                setattr(sys, name, None)
 
 
 def _where(err):
@@ -772,6 +797,7 @@ def close(user_ns=None):
 
 def _end_session():
     global _session
+    _release_escaped(globals())
     session, _session = _session, None
     if session is None:
         return {"closed": False}
