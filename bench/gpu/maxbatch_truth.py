@@ -276,9 +276,16 @@ def gpt_step(batch):   # --step: the user's own function
 def gpt_accum_step(batch):   # --step with gradient accumulation: 4 micro-batches of `batch`
     train("gptaccum", batch, 1)
 
+def gpt_compiled_step(batch):   # --step through torch.compile (the loop's model is compiled)
+    train("gptc", batch, 1)
+
 def hf_gpt2():  # a model from outside this file: Hugging Face GPT-2 (124M), built from its config
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(n_positions=512))
+
+def hf_convnext():  # Hugging Face ConvNeXt-T (28M), built from its default config
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+    return ConvNextForImageClassification(ConvNextConfig(num_labels=1000))
 """
 
 # row: (name, setup code, magic arguments, libtorch too?, lightning?)
@@ -299,11 +306,17 @@ ROWS = {
     "gpt_step": ("make('gptstep', GPT, tokens(32000, 512))", "--step gpt_step", False),
     "gpt_accum_step": ("make('gptaccum', GPT, tokens(32000, 512)); accumulate['gptaccum'] = 4",
                        "--step gpt_accum_step", False),
+    "gpt_compiled_step": ("make('gptc', GPT, tokens(32000, 512)); "
+                          "models['gptc'] = torch.compile(models['gptc'])",
+                          "--step gpt_compiled_step --trial-timeout 300", False),
     "hf_gpt2_fp32": ("make('hf_gpt2_fp32', hf_gpt2, tokens(50257, 512))",
                      "hf_gpt2_fp32 --input 512", False),
+    "hf_convnext_bf16": ("make('hf_convnext_bf16', hf_convnext, images(224, 1000), torch.bfloat16)",
+                         "hf_convnext_bf16 --input 3x224x224 --amp bf16", False),
 }
 # The --step rows: the notebook variable their function trains.
-STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum"}
+STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum",
+             "gpt_compiled_step": "gptc"}
 
 
 def main() -> int:
@@ -392,6 +405,10 @@ def main() -> int:
             results["interrupt"]["last_error_kept"] = value(
                 kc, "repr(getattr(__import__('sys'), 'last_type', None))")
             save()
+            if results["interrupt"]["allocated_after_drop"] > 2**30:
+                # Every row after would be sized against the cut trial's leftovers.
+                print(f"   interrupt left memory behind: {results['interrupt']}", file=sys.stderr)
+                return 1
         for name in wanted:
             setup, args, libtorch = ROWS[name]
             print(f"== {name}", file=sys.stderr, flush=True)

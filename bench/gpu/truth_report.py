@@ -76,6 +76,33 @@ def main(path):
         print(f"- time over all {len(timed)} rows: {ours:.1f} s vs the baseline's {base:.1f} s "
               f"({ours / base:.2f}); per row median {statistics.median(ratios):.2f}, "
               f"at most {ratios[-1]:.2f}")
+    breakdown(python_rows)
+
+
+def parts(t):
+    """A search's seconds by kind, from its timings_ms."""
+    cleanup = t["settle"] + t["collect"] + t["empty_cache"] + t["restore"]
+    return {"steps": t["steps"] / 1000, "between trials": cleanup / 1000,
+            "setup": (t["prepare"] + t["set_loss"] + t["close"]) / 1000,
+            "side channel": (t["trial_calls"] - t["steps"] - cleanup) / 1000}
+
+
+def breakdown(rows):
+    rows = [r for r in rows if r.get("timings_ms") and r.get("baseline_timings_ms")]
+    if not rows:
+        return
+    print("\nWhere the time went (s; `timings_ms` of each search): the trials' steps, the work "
+          "between trials (collection, cache, restore), the calls around the search (prepare: "
+          "snapshot, output probe; close), and the side channel's round trips; ours / "
+          "baseline.\n")
+    kinds = list(parts(rows[0]["timings_ms"]))
+    print("| model | " + " | ".join(kinds) + " | steps ratio |")
+    print("|" + "---|" * (len(kinds) + 2))
+    for r in rows:
+        o, b = parts(r["timings_ms"]), parts(r["baseline_timings_ms"])
+        cells = [f"{o[k]:.2f} / {b[k]:.2f}" for k in kinds]
+        print(f"| {r['model']} | " + " | ".join(cells) +
+              f" | {o['steps'] / max(b['steps'], 1e-9):.2f} |")
 
 
 if __name__ == "__main__":
