@@ -447,3 +447,19 @@ def test_an_interrupt_that_escaped_a_call_lets_its_tensors_go_at_close(trials):
     trials.close()
     assert alive() is None, "close clears the escaped call's frames"
     assert sys.last_traceback is None
+
+
+def test_prepare_trial_and_close_say_where_their_time_went(trials):
+    import torch
+
+    model = torch.nn.Linear(4, 3)
+    ns = {"model": model}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4]})
+    assert {"session", "probe", "restore", "freeze", "settle"} <= set(reply["timings_ms"])
+    assert all(v >= 0 for v in reply["timings_ms"].values())
+    call(trials, ns, "set_loss", plan={"kind": "mse"})
+    trial = call(trials, ns, "trial", batch=4, steps=2)
+    assert set(trial["cleanup_ms"]) == {"collect", "empty_cache", "restore"}
+    assert trial["settle_ms"] >= 0
+    closed = call(trials, ns, "close")
+    assert set(closed["timings_ms"]) == {"restore", "release", "settle"}

@@ -584,6 +584,26 @@ mod tests {
     }
 
     #[test]
+    fn where_the_time_went_is_in_the_json_only() {
+        let mut f = findings();
+        assert!(summary(&f)["application/json"]["timings_ms"].is_null());
+        f.timings = Some(Timings {
+            prepare: 310.0,
+            steps: 2500.0,
+            collect: 2.0,
+            prepare_laps: [("session".to_string(), 9.0)].into(),
+            ..Timings::default()
+        });
+        let data = summary(&f);
+        let t = &data["application/json"]["timings_ms"];
+        assert_eq!(t["prepare"], 310.0);
+        assert_eq!(t["steps"], 2500.0);
+        assert_eq!(t["prepare_laps"]["session"], 9.0);
+        let text = data["text/plain"].as_str().unwrap();
+        assert!(!text.contains("prepare"), "{text}");
+    }
+
+    #[test]
     fn summary_states_the_answer_its_assumptions_and_draws_the_trials() {
         let data = summary(&findings());
         let text = data["text/plain"].as_str().unwrap();
