@@ -358,7 +358,8 @@ def main() -> int:
         return {"max_batch": v["max_batch"], "recommended": v["recommended"],
                 # The search's trials and those that ran the recommendation itself.
                 "trials": len(v["trials"]) + len((v.get("confirmation") or {}).get("failed", []))
-                + int(bool((v.get("confirmation") or {}).get("batch"))), "seconds": v["elapsed_ms"] / 1000,
+                + int(bool((v.get("confirmation") or {}).get("batch"))
+                      and not (v.get("confirmation") or {}).get("during_search")), "seconds": v["elapsed_ms"] / 1000,
                 "wall_seconds": time.time() - t0, "loss": v["assumptions"]["loss"],
                 "precision": v["assumptions"]["precision"],
                 "optimizer": v["assumptions"]["optimizer"], "limit": v["limit_bytes"],

@@ -442,11 +442,19 @@ fn search_and_confirm(
     if let Some(stop) = result.stopped.clone() {
         return Err(stop_error(stop));
     }
+    // The search's own trials that fitted: each ran as the confirmation would.
+    let fitted: Vec<(u64, f64)> = result
+        .trials
+        .iter()
+        .zip(&trial_ms)
+        .filter(|(t, _)| t.fits)
+        .map(|(_, &ms)| ms)
+        .collect();
     let confirmation = match (args.no_confirm, args.search, result.max_fit) {
         (false, SearchKind::Fit, Some(max)) => Some(confirm(
             session,
             live,
-            Candidates::below(max, args.margin / 100.0),
+            (Candidates::below(max, args.margin / 100.0), &fitted),
             (limit, held_before),
             trial_limit,
         )?),
@@ -501,11 +509,12 @@ impl Iterator for Candidates {
 /// Runs the recommendation as a trial of its own (as the user's training starts: the state
 /// put back, the optimizer without state): a batch below one that fits can still fail where
 /// the allocator's fragmentation depends on the exact sizes (a checkpointed GPT on an H200:
-/// 64 failed where 69 to 76 fitted, maxbatch-truth-2026-12-03).
+/// 64 failed where 69 to 76 fitted, maxbatch-truth-2026-12-03). A candidate the search itself
+/// ran and saw fit (`fitted`: batch, ms) is not run again: every trial starts from that state.
 fn confirm(
     session: &Session,
     live: &Live,
-    candidates: Candidates,
+    (candidates, fitted): (Candidates, &[(u64, f64)]),
     (limit, held_before): (u64, u64),
     trial_limit: Duration,
 ) -> Result<Confirmation, MagicError> {
@@ -514,8 +523,15 @@ fn confirm(
         failed: Vec::new(),
         steps: STEPS_PER_TRIAL,
         ms: 0.0,
+        during_search: false,
     };
     for batch in candidates.take(CONFIRM_TRIES) {
+        if let Some(&(_, ms)) = fitted.iter().find(|(b, _)| *b == batch) {
+            confirmation.ms += ms;
+            confirmation.batch = Some(batch);
+            confirmation.during_search = true;
+            break;
+        }
         let (reply, _, fits) = shown_trial(session, live, batch, (limit, held_before), trial_limit)
             .map_err(stop_error)?;
         confirmation.ms += reply.ms;

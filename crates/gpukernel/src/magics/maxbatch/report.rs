@@ -251,6 +251,8 @@ pub(super) struct Confirmation {
     pub(super) failed: Vec<u64>,
     pub(super) steps: u32,
     pub(super) ms: f64,
+    /// The batch that ran was one of the search's own trials (no trial of its own).
+    pub(super) during_search: bool,
 }
 
 impl Findings {
@@ -400,8 +402,14 @@ fn confirmation_line(c: &Confirmation, max: Option<u64>) -> String {
     );
     match (c.batch, c.failed.is_empty()) {
         (Some(batch), true) => format!(
-            "  confirmed: {} steps at batch {batch} ran from a fresh optimizer ({:.0} ms)\n",
-            c.steps, c.ms
+            "  confirmed: {} steps at batch {batch} ran from a fresh optimizer{} ({:.0} ms)\n",
+            c.steps,
+            if c.during_search {
+                ", in the search's own trials"
+            } else {
+                ""
+            },
+            c.ms
         ),
         (Some(batch), false) => format!(
             "{fragmented}  confirmed instead: {} steps at batch {batch} ran from a fresh optimizer\n",
@@ -550,6 +558,7 @@ mod tests {
             failed: vec![],
             steps: 3,
             ms: 900.0,
+            during_search: false,
         });
         let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
         assert!(
@@ -557,10 +566,23 @@ mod tests {
             "{text}"
         );
         f.confirmation = Some(Confirmation {
+            batch: Some(1616),
+            failed: vec![],
+            steps: 3,
+            ms: 900.0,
+            during_search: true,
+        });
+        let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
+        assert!(
+            text.contains("at batch 1616 ran from a fresh optimizer, in the search's own trials"),
+            "{text}"
+        );
+        f.confirmation = Some(Confirmation {
             batch: Some(1608),
             failed: vec![1616],
             steps: 3,
             ms: 1800.0,
+            during_search: false,
         });
         let data = summary(&f);
         let text = data["text/plain"].as_str().unwrap();
@@ -576,6 +598,7 @@ mod tests {
             failed: vec![1616, 1608, 1600],
             steps: 3,
             ms: 2700.0,
+            during_search: false,
         });
         let data = summary(&f);
         let text = data["text/plain"].as_str().unwrap();
