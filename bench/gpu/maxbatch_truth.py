@@ -365,6 +365,7 @@ def main() -> int:
                 "optimizer": v["assumptions"]["optimizer"], "limit": v["limit_bytes"],
                 "held": v.get("held"), "trial_ms": v.get("trial_ms"),
                 "confirmation": v.get("confirmation"), "timings_ms": v.get("timings_ms"),
+                "notes": v.get("notes"),
                 "trial_list": [[t["batch"], t["outcome"]["result"],
                                                         t["outcome"].get("peak"),
                                                         t["outcome"].get("reserved")]
