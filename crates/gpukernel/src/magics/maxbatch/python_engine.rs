@@ -360,14 +360,7 @@ pub(super) fn run(
     if args.throughput {
         findings.throughput = Some(throughput(&session, &live, &findings, trial_limit)?);
     }
-    findings.after = match session.close().and_then(|c| c.memory.as_ref()) {
-        Some(m) => format!(
-            "afterwards: your state is as it was; your Python kernel holds {} allocated, {} reserved",
-            human_bytes(m.allocated.unwrap_or(0)),
-            human_bytes(m.reserved.unwrap_or(0))
-        ),
-        None => "afterwards: the Python session could not be closed (see the kernel log)".into(),
-    };
+    findings.after = close_line(&mut session);
     findings.timings = Some(session.timings.borrow().clone());
     findings.elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
     ctx.out.emit(Output::value_or_display(
@@ -375,6 +368,18 @@ pub(super) fn run(
         args.json,
     ));
     Ok(())
+}
+
+/// Closes the session; the report's line on what the user's kernel holds afterwards.
+fn close_line(session: &mut Session) -> String {
+    match session.close().and_then(|c| c.memory.as_ref()) {
+        Some(m) => format!(
+            "afterwards: your state is as it was; your Python kernel holds {} allocated, {} reserved",
+            human_bytes(m.allocated.unwrap_or(0)),
+            human_bytes(m.reserved.unwrap_or(0))
+        ),
+        None => "afterwards: the Python session could not be closed (see the kernel log)".into(),
+    }
 }
 
 /// The loss a module's standard step uses (from its output, or `--loss`), set in the session;
