@@ -348,6 +348,12 @@ def main() -> int:
                           if o["msg_type"] == "stream" and o["content"]["name"] == "stdout")
         return json.loads(printed.strip().splitlines()[-1])
 
+    def confirming_trials(confirmation):
+        # The trials that ran the recommendation itself: those that failed, and the one that
+        # fitted unless the search had run it already.
+        c = confirmation or {}
+        return len(c.get("failed", [])) + int(bool(c.get("batch")) and not c.get("during_search"))
+
     def magic(kc, args):
         t0 = time.time()
         outputs, err = run(kc, f"%maxbatch {args} --json")
@@ -357,9 +363,8 @@ def main() -> int:
         v = data["application/json"]
         return {"max_batch": v["max_batch"], "recommended": v["recommended"],
                 # The search's trials and those that ran the recommendation itself.
-                "trials": len(v["trials"]) + len((v.get("confirmation") or {}).get("failed", []))
-                + int(bool((v.get("confirmation") or {}).get("batch"))
-                      and not (v.get("confirmation") or {}).get("during_search")), "seconds": v["elapsed_ms"] / 1000,
+                "trials": len(v["trials"]) + confirming_trials(v.get("confirmation")),
+                "seconds": v["elapsed_ms"] / 1000,
                 "wall_seconds": time.time() - t0, "loss": v["assumptions"]["loss"],
                 "precision": v["assumptions"]["precision"],
                 "optimizer": v["assumptions"]["optimizer"], "limit": v["limit_bytes"],
@@ -431,9 +436,9 @@ def main() -> int:
                 row["baseline_seconds"] = base.get("seconds")
                 row["baseline_max"] = base.get("max_batch")
                 row["baseline_timings_ms"] = base.get("timings_ms")
-            if TIMING:
-                if not SURVEY:
+                if ours.get("max_batch"):
                     row["time_vs_baseline"] = ours["seconds"] / max(1e-9, base.get("seconds") or 1e-9)
+            if TIMING:
                 results["rows"].append(row)
                 save()
                 run(kc, f"drop({key!r})")
@@ -447,8 +452,6 @@ def main() -> int:
                 row["steps_ok_at_max"] = value(kc, f"steps_ok({key!r}, {ours['max_batch']})")
             if ours.get("max_batch") and truth["true_max"]:
                 row["ratio"] = ours["max_batch"] / truth["true_max"]
-                if not SURVEY:
-                    row["time_vs_baseline"] = ours["seconds"] / max(1e-9, base.get("seconds") or 1e-9)
             print(f"   row {json.dumps({k: v for k, v in row.items() if k != 'trial_list'})}",
                   file=sys.stderr, flush=True)
             results["rows"].append(row)

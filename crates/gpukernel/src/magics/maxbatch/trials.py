@@ -662,18 +662,17 @@ class Session:
         if self.on_gpu():
             result["peak_allocated"] = torch.cuda.max_memory_allocated(d)
             result["peak_reserved"] = torch.cuda.max_memory_reserved(d)
-        t0 = time.perf_counter()
+        clock = _Clock()  # where the time between two trials goes
         gc.collect()  # the step's garbage (cycles too) goes before the state comes back
-        t1 = time.perf_counter()
+        clock.lap("collect")
         self._settle(collect=False)
-        t2 = time.perf_counter()
+        clock.lap("empty_cache")
         self.restore()
         # The restore frees by reference count (no cycles): no second collection.
         self._settle(collect=False)
         self.settled = True
-        # Where the time between two trials goes (the benchmark's breakdown of a search).
-        result["cleanup_ms"] = {"collect": (t1 - t0) * 1000.0, "empty_cache": (t2 - t1) * 1000.0,
-                                "restore": (time.perf_counter() - t2) * 1000.0}
+        clock.lap("restore")
+        result["cleanup_ms"] = clock.laps
         if self.on_gpu():
             result["allocated_after"] = torch.cuda.memory_allocated(d)
         return result
@@ -691,16 +690,15 @@ def _release_escaped(module_globals):
     holding this module's frames and, through them, tensors: the user never saw that error
     (the call was silent), so its frames are cleared and it is forgotten."""
     import traceback
-    tb = getattr(sys, "last_traceback", None)
-    frames = []
-    while tb is not None:
-        frames.append(tb.tb_frame)
+    last = tb = getattr(sys, "last_traceback", None)
+    while tb is not None and tb.tb_frame.f_globals is not module_globals:
         tb = tb.tb_next
-    if any(f.f_globals is module_globals for f in frames):
-        traceback.clear_frames(sys.last_traceback)
-        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-            if hasattr(sys, name):
-                setattr(sys, name, None)
+    if tb is None:
+        return
+    traceback.clear_frames(last)
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
 
 
 def _where(err):
@@ -802,7 +800,6 @@ def _end_session():
     if session is None:
         return {"closed": False}
     clock = _Clock()
-    collected = False
     try:
         session.restore()
         clock.lap("restore")
