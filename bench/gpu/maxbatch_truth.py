@@ -45,7 +45,7 @@ SURVEY = os.environ.get("SURVEY") == "1"
 TIMING = os.environ.get("TIMING") == "1"
 
 MODELS = r"""
-import gc, math, time
+import copy, gc, math, time
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -191,9 +191,26 @@ def train(name, batch, steps):
             scaler.step(opt); scaler.update()
         else:
             opt.step()
+        if marks is not None:
+            mark_step(scaler)
     torch.cuda.synchronize()
 
+# Where each step of a truth probe left the allocator (None: not recorded): the step's peak,
+# then what the next step starts from (allocated, reserved, segments, free bytes in split
+# blocks) and the GradScaler's scale. It tells whether a step that left the same as the step
+# before was followed by one that needed more (the rule %maxbatch ends its trials by).
+marks = None
+LAYOUT = ("allocated_bytes.all.current", "reserved_bytes.all.current", "segment.all.current",
+          "inactive_split_bytes.all.current")
+
+def mark_step(scaler):
+    stats = torch.cuda.memory_stats()
+    marks.append((torch.cuda.max_memory_allocated(), *(stats.get(k, 0) for k in LAYOUT),
+                  scaler.get_scale() if scaler is not None else None))
+    torch.cuda.reset_peak_memory_stats()
+
 curve = []  # (batch, fits, peak allocated, peak reserved) of every fits() call
+probe_marks = []  # (batch, fits, the marks of its steps) of every fits() call
 
 def fresh_scaler(name):
     # A GradScaler starts each probe as the user's training starts: its scale decides whether
@@ -204,15 +221,20 @@ def fresh_scaler(name):
 def fits(name, batch, steps=3):
     # The user's loop as it starts after %maxbatch: the optimizer has no state yet (AdamW
     # makes it at the first step, among that step's freed activations), then two more steps.
+    global marks
     opts[name].state.clear()
     fresh_scaler(name)
     gc.collect(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+    marks = []
     try:
         train(name, batch, steps)
         ok = True
     except torch.OutOfMemoryError:
         ok = False
-    curve.append((batch, ok, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+    steps_marked, marks = tuple(marks), None
+    peak = max([m[0] for m in steps_marked] + [torch.cuda.max_memory_allocated()])
+    curve.append((batch, ok, peak, torch.cuda.max_memory_reserved()))
+    probe_marks.append((batch, ok, steps_marked))
     opts[name].zero_grad(set_to_none=True)
     opts[name].state.clear()
     gc.collect(); torch.cuda.empty_cache()
@@ -221,7 +243,7 @@ def fits(name, batch, steps=3):
 def true_max(name, start, survey=False):
     # Exact bisection of the notebook's own loop, from a bracket verified here. With `survey`,
     # also the memory curve below it (small batches and fractions of the maximum).
-    curve.clear()
+    curve.clear(); probe_marks.clear()
     probes, t0 = 0, time.time()
     if survey:
         for b in (4, 16, 64):
@@ -246,7 +268,7 @@ def true_max(name, start, survey=False):
             if int(f * lo) > 64:
                 fits(name, int(f * lo))
     return {"true_max": lo, "probes": probes, "seconds": time.time() - t0,
-            "curve": sorted(set(curve))}
+            "curve": sorted(set(curve)), "step_marks": probe_marks}
 
 def steps_ok(name, batch, n=30):
     # n steps of the notebook's loop from a fresh optimizer, as the user's training will run.
@@ -263,6 +285,54 @@ def steps_ok(name, batch, n=30):
     opts[name].state.clear()
     gc.collect(); torch.cuda.empty_cache()
     return done
+
+def lightning_procedure(name, steps=3, max_trials=25):
+    # The competitor as it runs, on the notebook's own loop: Lightning's BatchSizeFinder in
+    # mode "binsearch" with its defaults (lightning/pytorch/tuner/batch_size_scaling.py): from
+    # 2, doubling, then bisecting; garbage_collection_cuda() (gc.collect, empty_cache) before
+    # every trial and after an out-of-memory error; trials go on from the weights and
+    # optimizer state the last left; the model and optimizer saved before and loaded after
+    # (Lightning writes a checkpoint file; host memory here, which is faster).
+    t0 = time.perf_counter()
+    m, opt = models[name], opts[name]
+    host = lambda t: t.detach().to("cpu", copy=True)
+    saved = ({k: host(v) for k, v in m.state_dict().items()},
+             copy.deepcopy({"state": {k: {n: host(v) if torch.is_tensor(v) else v
+                                          for n, v in st.items()}
+                                      for k, st in opt.state_dict()["state"].items()},
+                            "param_groups": opt.state_dict()["param_groups"]}))
+    fresh_scaler(name)
+    def cleanup():
+        gc.collect(); torch.cuda.empty_cache()
+    low, high, size, count, tried = 1, None, 2, 0, []
+    while True:
+        cleanup()
+        tried.append(size)
+        try:
+            train(name, size, steps)
+            count += 1
+            if count > max_trials:
+                break
+            low = size
+            if high:
+                if high - low <= 1:
+                    break
+                size = (high + low) // 2
+            else:
+                size *= 2
+        except torch.OutOfMemoryError:
+            cleanup()
+            high = size
+            size = (high + low) // 2
+            if high - low <= 1:
+                break
+    cleanup()
+    m.load_state_dict(saved[0]); opt.load_state_dict(saved[1])
+    opts[name].zero_grad(set_to_none=True)
+    del saved
+    cleanup()
+    return {"max_batch": size, "trials": len(tried), "tried": tried,
+            "seconds": time.perf_counter() - t0}
 
 def drop(name):
     for d in (models, opts, data, amps, scalers):
@@ -438,6 +508,12 @@ def main() -> int:
                 row["baseline_timings_ms"] = base.get("timings_ms")
                 if ours.get("max_batch"):
                     row["time_vs_baseline"] = ours["seconds"] / max(1e-9, base.get("seconds") or 1e-9)
+                # The competitor as it runs in a notebook (not inside our harness).
+                lp = value(kc, f"lightning_procedure({key!r})")
+                row["lightning_procedure"] = lp
+                if ours.get("max_batch"):
+                    row["time_vs_lightning_procedure"] = ours["seconds"] / max(1e-9, lp["seconds"])
+                print(f"   lightning procedure {lp}", file=sys.stderr, flush=True)
             if TIMING:
                 results["rows"].append(row)
                 save()
@@ -446,6 +522,7 @@ def main() -> int:
             truth = value(kc, f"true_max({key!r}, {ours.get('max_batch') or 8}, True)")
             row["true_max"], row["true_max_probes"] = truth["true_max"], truth["probes"]
             row["curve"] = truth.get("curve", [])
+            row["step_marks"] = truth.get("step_marks", [])
             if ours.get("recommended"):
                 row["steps_ok_at_recommended"] = value(kc, f"steps_ok({key!r}, {ours['recommended']})")
             if ours.get("max_batch") and os.environ.get("AT_MAX"):  # 30 steps at the max too

@@ -27,11 +27,17 @@ def main(path):
           "steps. `ok@rec` / `ok@max`: steps of that loop (of 30) at our recommendation and at "
           "our maximum, from a fresh optimizer. Baseline: the same magic with "
           "`--search double-bisect` (Lightning's finder with its defaults on the same step: from 2, "
-          "doubling, bisecting to the exact maximum).\n")
+          "doubling, bisecting to the exact maximum) inside our harness: our collection, cache "
+          "and restore between its trials, so it measures the algorithm alone. Lightning "
+          "procedure (`lp`): the competitor as it runs in the notebook, without gpukernel: "
+          "Lightning's binsearch with its defaults on the same loop, `garbage_collection_cuda()` "
+          "(gc.collect, empty_cache) before every trial and after an OOM, trials going on from "
+          "the last one's weights and optimizer state, the model and optimizer saved to host "
+          "memory before and loaded after (Lightning writes a checkpoint file).\n")
     if "interrupt" in d:
         print(f"Interrupt in the middle of a search: {json.dumps(d['interrupt'])}\n")
     cols = ["model", "engine", "max", "rec", "true", "max/true", "ok@rec", "ok@max", "trials",
-            "s", "base trials", "base s", "time/base"]
+            "s", "base trials", "base s", "time/base", "lp max", "lp trials", "lp s", "time/lp"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     python_rows = []
@@ -46,7 +52,11 @@ def main(path):
             fmt(r.get("true_max")), fmt(r.get("ratio"), 3), fmt(r.get("steps_ok_at_recommended")),
             fmt(r.get("steps_ok_at_max")), fmt(r.get("trials")), fmt(r.get("seconds")),
             fmt(r.get("baseline_trials")), fmt(r.get("baseline_seconds")),
-            fmt(r.get("time_vs_baseline"), 2)]) + " |")
+            fmt(r.get("time_vs_baseline"), 2),
+            fmt((r.get("lightning_procedure") or {}).get("max_batch")),
+            fmt((r.get("lightning_procedure") or {}).get("trials")),
+            fmt((r.get("lightning_procedure") or {}).get("seconds")),
+            fmt(r.get("time_vs_lightning_procedure"), 2)]) + " |")
     print()
     if not python_rows:
         return
@@ -67,7 +77,16 @@ def main(path):
               f"; the search's alone (without the trial that runs the recommendation): median "
               f"{statistics.median(search_trials):g}, at most {max(search_trials)}"
               if any(r.get("confirmation") for r in python_rows) else ""))
-    print(f"- time at most 1/3 of the baseline's: {len(fast)} of {n}")
+    print(f"- time at most 1/3 of the baseline's (our harness): {len(fast)} of {n}")
+    lp = [r for r in python_rows if r.get("time_vs_lightning_procedure")]
+    if lp:
+        fast_lp = [r for r in lp if r["time_vs_lightning_procedure"] <= 1 / 3]
+        ours = sum(r["seconds"] for r in lp)
+        theirs = sum(r["lightning_procedure"]["seconds"] for r in lp)
+        ratios = sorted(r["time_vs_lightning_procedure"] for r in lp)
+        print(f"- time at most 1/3 of the Lightning procedure's: {len(fast_lp)} of {len(lp)}; "
+              f"over all rows {ours:.1f} s vs {theirs:.1f} s ({ours / theirs:.2f}); per row "
+              f"median {statistics.median(ratios):.2f}, at most {ratios[-1]:.2f}")
     timed = [r for r in python_rows if r.get("baseline_seconds")]
     if timed:
         ours = sum(r["seconds"] for r in timed)
@@ -77,6 +96,7 @@ def main(path):
               f"({ours / base:.2f}); per row median {statistics.median(ratios):.2f}, "
               f"at most {ratios[-1]:.2f}")
     breakdown(python_rows)
+    steady(python_rows)
 
 
 def parts(t):
@@ -103,6 +123,40 @@ def breakdown(rows):
         cells = [f"{o[k]:.2f} / {b[k]:.2f}" for k in kinds]
         print(f"| {r['model']} | " + " | ".join(cells) +
               f" | {o['steps'] / max(b['steps'], 1e-9):.2f} |")
+
+
+def steady(rows):
+    """Checks the rule %maxbatch ends its trials by (trials.py `_run_steps`: after a step that
+    left the allocator and the scale as the step before did, the next would repeat it) on the
+    truth's own probes, which ran every step and marked each (`step_marks`)."""
+    probes = [(r["model"], b, ok, m) for r in rows for b, ok, m in r.get("step_marks", [])]
+    if not probes:
+        return
+    stop_at_2 = wrong = ooms = 0
+    misses = []
+    for model, batch, ok, m in probes:
+        if len(m) >= 2 and m[1][1:] == m[0][1:]:  # the layout and scale after 2 = after 1
+            if ok:
+                stop_at_2 += 1
+                if len(m) >= 3 and m[2][0] > max(m[0][0], m[1][0]):
+                    misses.append(f"{model}@{batch}: step 3 peaked {m[2][0] - max(m[0][0], m[1][0])} B higher")
+            else:  # it ran out of memory at step 3 although step 2 repeated step 1
+                wrong += 1
+                misses.append(f"{model}@{batch}: out of memory at step 3")
+        if not ok:
+            ooms += 1
+    fitted = sum(1 for p in probes if p[2])
+    print(f"\nThe steady-step rule on the truth's {len(probes)} probes (3 steps each, every step "
+          f"marked): of {fitted} that fitted, {stop_at_2} had a second step that left the "
+          f"allocator as the first did (a trial would end there); of {ooms} that ran out of "
+          f"memory, {wrong} did so at step 3 after such a second step. Misses: "
+          f"{'; '.join(misses) if misses else 'none'}.")
+    by_step = {}
+    for _, _, ok, m in probes:
+        if not ok:
+            by_step[len(m) + 1] = by_step.get(len(m) + 1, 0) + 1
+    if by_step:
+        print("Out of memory at step: " + ", ".join(f"{k}: {v}" for k, v in sorted(by_step.items())))
 
 
 if __name__ == "__main__":

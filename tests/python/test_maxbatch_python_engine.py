@@ -463,3 +463,81 @@ def test_prepare_trial_and_close_say_where_their_time_went(trials):
     assert trial["settle_ms"] >= 0
     closed = call(trials, ns, "close")
     assert set(closed["timings_ms"]) == {"restore", "release", "settle"}
+
+
+def test_a_trial_ends_once_a_step_repeats_the_one_before(trials):
+    import torch
+
+    calls = []
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        calls.append(batch)
+        opt.zero_grad()
+        model(torch.randn(batch, 4)).sum().backward()
+        opt.step()
+
+    ns = {"step": step, "model": model, "opt": opt}
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    # Nothing changes from one call to the next (no GPU memory, no scaler): the second
+    # repeats the first, so the third is not run.
+    result = call(trials, ns, "trial", batch=3, steps=3)
+    assert result["result"] == "ran" and result["steps"] == 2 and calls == [3, 3]
+    calls.clear()
+    assert call(trials, ns, "trial", batch=3, steps=1)["steps"] == 1 and calls == [3]
+    call(trials, ns, "close")
+
+
+def test_a_step_that_skipped_the_optimizer_is_not_taken_as_steady(trials):
+    import torch
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    calls = []
+
+    def step(batch):
+        # An overflowing loss on every call, as the first fp16 steps of a large model: the
+        # scaler skips the optimizer (no AdamW state yet) and halves its scale.
+        calls.append(batch)
+        opt.zero_grad()
+        loss = model(torch.randn(batch, 4)).sum() * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    ns = {"step": step, "model": model, "opt": opt, "scaler": scaler}
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    result = call(trials, ns, "trial", batch=2, steps=3)
+    assert result["result"] == "ran" and result["steps"] == 3 and len(calls) == 3
+    assert scaler.get_scale() == 2.0 ** 16, "the scale the trial halved is put back"
+    assert len(opt.state) == 0
+    call(trials, ns, "close")
+
+
+@pytest.mark.parametrize("marks, most, ran", [
+    # allocated bytes after each step: the optimizer's state made at the first step
+    ([(100, []), (100, []), (100, [])], 3, 2),
+    ([(100, []), (140, []), (140, [])], 3, 3),  # state made at the second (a skipped first)
+    ([(100, [8.0]), (100, [4.0]), (100, [4.0])], 3, 3),  # the scale halved at the second
+    ([(100, []), (140, []), (150, []), (150, [])], 5, 4),
+    ([(100, []), (140, []), (150, [])], 3, 3),  # never steady: all the steps asked for
+])
+def test_the_steady_stop_follows_the_marks_steps_leave(trials, marks, most, ran):
+    class Steps:
+        def __init__(self):
+            self.made = 0
+
+        def steps(self, batch):
+            while True:
+                self.made += 1
+                yield
+
+    session = trials.Session.__new__(trials.Session)  # the stopping rule alone
+    session.step = Steps()
+    session.on_gpu = lambda: False
+    left = iter(marks)
+    session._mark = lambda: next(left)
+    assert session._run_steps(2, most) == ran
+    assert session.step.made == ran

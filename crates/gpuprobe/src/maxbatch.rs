@@ -323,11 +323,7 @@ fn ooms(device: usize) -> i64 {
         .unwrap_or(0)
 }
 
-/// Steps per search trial: the second runs on the cache the first left behind (gradients
-/// and optimizer state allocated, blocks split), which is what every later training step
-/// sees. A single clean step underestimates it: a batch found that way can OOM at step 2.
-/// And a third, as the python engine runs (some models' third step needs more).
-const STEPS_PER_TRIAL: usize = 3;
+use crate::plugin_api::STEPS_PER_TRIAL;
 
 /// What one trial measured.
 struct TrialRun {

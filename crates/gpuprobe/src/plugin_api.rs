@@ -8,6 +8,12 @@ use std::ffi::{c_char, c_int, c_void};
 /// Bumped when the C functions change (not when a request is added).
 pub const ABI_VERSION: u32 = 1;
 
+/// Steps per trial of the libtorch engine: the second runs on the cache the first left behind (gradients
+/// and optimizer state allocated, blocks split), which is what every later training step
+/// sees. A single clean step underestimates it: a batch found that way can OOM at step 2.
+/// And a third, as the python engine runs at most (some models' third step needs more).
+pub const STEPS_PER_TRIAL: usize = 3;
+
 /// `progress(event_json, data)`: returns non-zero to ask the operation to stop.
 pub type ProgressFn = unsafe extern "C" fn(*const c_char, *mut c_void) -> c_int;
 

@@ -355,6 +355,11 @@ fn findings(
         }),
         elapsed_ms: report.elapsed_ms,
         trial_ms: report.trial_ms.clone(),
+        trial_steps: report
+            .trial_ms
+            .iter()
+            .map(|&(batch, _)| (batch, gpuprobe::plugin_api::STEPS_PER_TRIAL as u32))
+            .collect(),
         trial_reserved: report.trial_reserved.clone(),
         held: None,
         after: format!(

@@ -22,10 +22,11 @@ use std::time::{Duration, Instant};
 const SOURCE: &str = include_str!("trials.py");
 const KEY: &str = "_gpukernel_maxbatch";
 
-/// Steps per trial: the second runs with the optimizer state the first allocated and the
-/// gradients it left, as every later training step does; a third, because some models' third
-/// step from a fresh optimizer needs more than the second (a UNet measured on an H200:
-/// maxbatch-truth-2026-12-03). Lightning's finder also runs 3.
+/// Steps per trial, at most: the second runs with the optimizer state the first allocated and
+/// the gradients it left, as every later training step does; a third, because some models'
+/// third step from a fresh optimizer needs more than the second (a UNet measured on an H200:
+/// maxbatch-truth-2026-12-03). Lightning's finder also runs 3. A trial ends after two when the
+/// second left the cache as the first did (trials.py `_run_steps`): the third would repeat it.
 const STEPS_PER_TRIAL: u32 = 3;
 
 /// Bound on the calls that are not trials (prepare, close): they copy the state to or from
@@ -128,6 +129,9 @@ struct TrialReply {
     peak_reserved: Option<u64>,
     #[serde(default)]
     samples_per_s: Option<f64>,
+    /// The steps it ran: fewer than asked once a step repeated the one before.
+    #[serde(default)]
+    steps: Option<u32>,
     #[serde(default)]
     settle_ms: f64,
     #[serde(default)]
@@ -344,6 +348,7 @@ pub(super) fn run(
         card,
         elapsed_ms: 0.0,
         trial_ms: searched.trial_ms,
+        trial_steps: searched.trial_steps,
         trial_reserved: searched.trial_reserved,
         held: Some(Held {
             who: format!("your Python kernel (pid {})", python.pid()),
@@ -414,6 +419,7 @@ fn plan_loss(
 struct Searched {
     result: search::SearchResult,
     trial_ms: Vec<(u64, f64)>,
+    trial_steps: Vec<(u64, u32)>,
     trial_reserved: Vec<(u64, u64)>,
     confirmation: Option<Confirmation>,
 }
@@ -430,11 +436,13 @@ fn search_and_confirm(
 ) -> Result<Searched, MagicError> {
     let limit = config.limit;
     let mut trial_ms = Vec::new();
+    let mut trial_steps = Vec::new();
     let mut trial_reserved = Vec::new();
     let probe = |batch: u64| -> Result<Outcome, Stop> {
         let (reply, outcome, _) =
             shown_trial(session, live, batch, (limit, held_before), trial_limit)?;
         trial_ms.push((batch, reply.ms));
+        trial_steps.push((batch, reply.steps.unwrap_or(STEPS_PER_TRIAL)));
         if let (Outcome::Ran { .. }, Some(r)) = (outcome, reply.peak_reserved) {
             trial_reserved.push((batch, r));
         }
@@ -448,12 +456,12 @@ fn search_and_confirm(
         return Err(stop_error(stop));
     }
     // The search's own trials that fitted: each ran as the confirmation would.
-    let fitted: Vec<(u64, f64)> = result
+    let fitted: Vec<(u64, f64, u32)> = result
         .trials
         .iter()
-        .zip(&trial_ms)
+        .zip(trial_ms.iter().zip(&trial_steps))
         .filter(|(t, _)| t.fits)
-        .map(|(_, &ms)| ms)
+        .map(|(_, (&(batch, ms), &(_, steps)))| (batch, ms, steps))
         .collect();
     let confirmation = match (args.no_confirm, args.search, result.max_fit) {
         (false, SearchKind::Fit, Some(max)) => Some(confirm(
@@ -468,6 +476,7 @@ fn search_and_confirm(
     Ok(Searched {
         result,
         trial_ms,
+        trial_steps,
         trial_reserved,
         confirmation,
     })
@@ -519,7 +528,7 @@ impl Iterator for Candidates {
 fn confirm(
     session: &Session,
     live: &Live,
-    (candidates, fitted): (Candidates, &[(u64, f64)]),
+    (candidates, fitted): (Candidates, &[(u64, f64, u32)]),
     (limit, held_before): (u64, u64),
     trial_limit: Duration,
 ) -> Result<Confirmation, MagicError> {
@@ -531,8 +540,9 @@ fn confirm(
         during_search: false,
     };
     for batch in candidates.take(CONFIRM_TRIES) {
-        if let Some(&(_, ms)) = fitted.iter().find(|(b, _)| *b == batch) {
+        if let Some(&(_, ms, steps)) = fitted.iter().find(|(b, ..)| *b == batch) {
             confirmation.ms += ms;
+            confirmation.steps = steps;
             confirmation.batch = Some(batch);
             confirmation.during_search = true;
             break;
@@ -540,6 +550,7 @@ fn confirm(
         let (reply, _, fits) = shown_trial(session, live, batch, (limit, held_before), trial_limit)
             .map_err(stop_error)?;
         confirmation.ms += reply.ms;
+        confirmation.steps = reply.steps.unwrap_or(STEPS_PER_TRIAL);
         if fits {
             confirmation.batch = Some(batch);
             break;
@@ -795,7 +806,8 @@ fn assumptions(
     let (step, precision, input) = if spec.kind == "step" {
         (
             format!(
-                "your {}(batch_size), {STEPS_PER_TRIAL} calls per trial",
+                "your {}(batch_size), up to {STEPS_PER_TRIAL} calls per trial (two when the \
+                 second leaves memory as the first did)",
                 spec.target
             ),
             "whatever your step uses".to_string(),
@@ -812,8 +824,9 @@ fn assumptions(
             };
             format!(
                 "a standard step of {}: zero_grad, forward, loss, backward{scaler}, optimizer \
-                 step; {STEPS_PER_TRIAL} steps per trial, the last output alive into the next \
-                 step as in a for loop",
+                 step; up to {STEPS_PER_TRIAL} steps per trial (two when the second leaves \
+                 memory as the first did), the last output alive into the next step as in a \
+                 for loop",
                 spec.target
             )
         };

@@ -209,6 +209,8 @@ pub(super) struct Findings {
     pub(super) card: Option<Card>,
     pub(super) elapsed_ms: f64,
     pub(super) trial_ms: Vec<(u64, f64)>,
+    /// Steps each trial ran (it ends once a step repeats the one before).
+    pub(super) trial_steps: Vec<(u64, u32)>,
     pub(super) trial_reserved: Vec<(u64, u64)>,
     pub(super) held: Option<Held>,
     /// One line on what is left afterwards.
@@ -378,7 +380,7 @@ pub(super) fn summary(f: &Findings) -> Bundle {
         "fit": {"fixed_bytes": search.fit.map(|x| x.0), "bytes_per_sample": search.fit.map(|x| x.1)},
         "engine": a.engine, "assumptions": a, "held": f.held,
         "throughput": f.throughput.as_ref().map(|t| json!({"points": t.points, "fastest": t.best})),
-        "trials": search.trials, "stopped": search.stopped, "trial_ms": f.trial_ms,
+        "trials": search.trials, "stopped": search.stopped, "trial_ms": f.trial_ms, "trial_steps": f.trial_steps,
         "trial_reserved": f.trial_reserved, "elapsed_ms": f.elapsed_ms, "notes": f.notes,
         "confirmation": f.confirmation, "timings_ms": f.timings,
     });
@@ -535,6 +537,7 @@ mod tests {
             card: None,
             elapsed_ms: 3000.0,
             trial_ms: vec![(4, 100.0)],
+            trial_steps: vec![(4, 2)],
             trial_reserved: vec![(4, 600_000_000)],
             held: Some(Held {
                 who: "your Python kernel (pid 7)".into(),

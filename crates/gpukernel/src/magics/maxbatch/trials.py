@@ -13,12 +13,15 @@ GradScaler and LR-scheduler state, the random number generators (torch CPU and C
 out of memory, an error in the user's step, an interrupt) they are put back in place.
 
 A trial is one of:
-- ``step``: the user's own function ``FN(batch_size)``, called ``steps`` times, exactly as their
-  loop would call it (the previous call's return value alive until the next returns);
+- ``step``: the user's own function ``FN(batch_size)``, called as their loop would call it (the
+  previous call's return value alive until the next returns);
 - ``module``: a standard step built from the module, shaped like the usual training loop:
   ``zero_grad(set_to_none=True)``; forward (under ``torch.autocast`` with ``amp``); the loss;
   backward (through a ``GradScaler`` for fp16); the optimizer step. As in a ``for`` loop, the
   previous step's output is still alive while the next forward runs.
+
+A trial runs up to ``steps`` steps, and ends sooner at the first step (from the second on)
+that leaves memory as the step before left it: the next would repeat it (``_run_steps``).
 
 Out of memory is recognised by type (``torch.OutOfMemoryError``) or, for an exception of
 another type that wraps one, by the allocator's own ``num_ooms`` counter going up; never by the
@@ -431,21 +434,21 @@ class ModuleStep:
             return F.mse_loss(tensor, torch.randn_like(tensor))
         return tensor.float().mean()
 
-    def run(self, batch, steps):
+    def steps(self, batch):
+        """The steps, one per `next()`, without end: the caller stops them."""
         torch = self.torch
         model, opt, scaler = self.model, self.optimizer, self.scaler
         if self.inference:
             model.eval()
-            out = None
-            with torch.no_grad():
-                for _ in range(steps):
-                    x = self.make_input(batch)
-                    with self._autocast():
-                        out = model(x)
-            return
+            out = None  # noqa: F841 (alive into the next forward, as in a loop)
+            while True:  # no context left open across a yield: the caller's grad mode stays
+                x = self.make_input(batch)
+                with torch.no_grad(), self._autocast():
+                    out = model(x)
+                yield
         model.train()
         out = loss = None  # as in a for loop: the last step's output lives into the next
-        for _ in range(steps):
+        while True:
             x = self.make_input(batch)
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
@@ -463,6 +466,10 @@ class ModuleStep:
                 loss.backward()
                 if opt is not None:
                     opt.step()
+            yield
+
+    def scalers(self):
+        return [self.scaler] if self.scaler is not None else []
 
     def describe(self):
         return {"optimizer": self.optimizer_name,
@@ -486,10 +493,15 @@ class FunctionStep:
         self.fn = fn
         self.device = None
 
-    def run(self, batch, steps):
-        result = None
-        for _ in range(steps):
-            result = self.fn(batch)  # noqa: F841 (alive until the next call returns, as in a loop)
+    def steps(self, batch):
+        """The calls, one per `next()`, without end: the caller stops them."""
+        result = None  # noqa: F841 (alive until the next call returns, as in a loop)
+        while True:
+            result = self.fn(batch)
+            yield
+
+    def scalers(self):
+        return []  # the step's own are among the state found through its references
 
     def describe(self):
         return {"optimizer": "whatever your step uses", "parameters": None}
@@ -525,9 +537,11 @@ class Session:
         if isinstance(step, ModuleStep) and self.cuda and self.device.type != "cuda":
             raise MaxBatchError(f"{step.name} is on the {self.device.type}, not a GPU: move it "
                                 f"first ({step.name}.cuda() or .to('cuda')), as for training")
+        # The standard step's own GradScaler is put back too: every trial starts at its
+        # initial scale, so the first steps skip the optimizer as the user's first steps will.
+        self.scalers = list(found["scaler"].values()) + step.scalers()
         self.snapshot = Snapshot(torch, list(found["module"].values()),
-                                 list(found["optimizer"].values()),
-                                 list(found["scaler"].values()),
+                                 list(found["optimizer"].values()), self.scalers,
                                  list(found["scheduler"].values()))
         self.trials = 0
         self.settled = False
@@ -616,6 +630,41 @@ class Session:
                 if attempt == 2:
                     raise
 
+    def _mark(self):
+        """What a step leaves behind that the next step starts from: the cache's layout (bytes
+        allocated and reserved, segments, free bytes inside split blocks), and every
+        GradScaler's scale (a step that skipped the optimizer on an overflow halves it, and the
+        optimizer's state is made at a later step)."""
+        layout = None
+        if self.on_gpu():
+            stats = self.torch.cuda.memory_stats(self.device)
+            layout = tuple(stats.get(k, 0) for k in _LAYOUT)
+        return layout, [s.get_scale() for s in self.scalers if s.is_enabled()]
+
+    def _run_steps(self, batch, most, until_steady=True):
+        """Runs up to `most` steps, synchronized; returns how many ran. With `until_steady`
+        they end at the first step, from the second on, that left the same mark as the step
+        before it: it started from what the next would start from, so the next would replay
+        it, peak included (the optimizer's state made, the previous output alive, the scale
+        settled). A fitting trial is then two steps, not three: a third of its time."""
+        steps = self.step.steps(batch)
+        ran, last = 0, None
+        try:
+            for _ in steps:
+                ran += 1
+                if self.on_gpu():
+                    self.torch.cuda.synchronize(self.device)
+                if ran >= most:
+                    break
+                if until_steady:
+                    mark = self._mark()
+                    if ran >= 2 and mark == last:
+                        break
+                    last = mark
+        finally:
+            steps.close()  # its frame holds the last output: freed with the trial's garbage
+        return ran
+
     def trial(self, batch, steps, timed=0):
         torch = self.torch
         self.trials += 1
@@ -630,14 +679,10 @@ class Session:
         result = {"batch": batch, "settle_ms": (time.perf_counter() - began) * 1000.0}
         started = time.perf_counter()
         try:
-            self.step.run(batch, steps)
-            if self.on_gpu():
-                torch.cuda.synchronize(d)
+            result["steps"] = self._run_steps(batch, steps)
             if timed:
                 t0 = time.perf_counter()
-                self.step.run(batch, timed)
-                if self.on_gpu():
-                    torch.cuda.synchronize(d)
+                self._run_steps(batch, timed, until_steady=False)
                 result["samples_per_s"] = batch * timed / (time.perf_counter() - t0)
             # The step returned, so the batch trained. Allocations refused and caught inside
             # it (cuDNN tries a workspace and falls back to a smaller one) are counted, not
@@ -676,6 +721,11 @@ class Session:
         if self.on_gpu():
             result["allocated_after"] = torch.cuda.memory_allocated(d)
         return result
+
+
+# The allocator's counters that say where the next step starts from.
+_LAYOUT = ("allocated_bytes.all.current", "reserved_bytes.all.current", "segment.all.current",
+           "inactive_split_bytes.all.current")
 
 
 def _drop_frames(err):
