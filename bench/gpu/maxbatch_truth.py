@@ -439,6 +439,7 @@ def main() -> int:
                 "precision": v["assumptions"]["precision"],
                 "optimizer": v["assumptions"]["optimizer"], "limit": v["limit_bytes"],
                 "held": v.get("held"), "trial_ms": v.get("trial_ms"),
+                "trial_steps": v.get("trial_steps"),
                 "confirmation": v.get("confirmation"), "timings_ms": v.get("timings_ms"),
                 "notes": v.get("notes"),
                 "trial_list": [[t["batch"], t["outcome"]["result"],
