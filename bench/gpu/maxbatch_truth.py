@@ -13,7 +13,10 @@ GradScaler for fp16, AdamW step). Per row:
   same kernel, from a bracket it verifies itself (a batch that fits, one that does not);
 - 30 steps of the notebook's loop at the recommendation;
 - for some rows the libtorch engine (`--engine libtorch`) on the same model and loss;
-- Lightning's BatchSizeFinder on two models, in a separate process.
+- the competitor as it runs in the notebook (`lightning_procedure`: Lightning's binsearch with
+  its per-trial garbage_collection_cuda, no gpukernel);
+- Lightning's BatchSizeFinder itself on two models, in a separate process
+  (bench/gpu/lightning_finder.py).
 
 To fit the session's device minutes, the notebook caps its allocator at CAP_GIB
 (torch.cuda.set_per_process_memory_fraction), as a user sharing the card would: every figure,
@@ -164,7 +167,8 @@ def make(name, factory, maker, amp=None):
     scalers[name] = torch.amp.GradScaler("cuda") if amp is torch.float16 else None
     globals()[name] = m
     globals()[name + "_opt"] = opts[name]
-    return m
+    # Nothing returned: a cell's value stays in IPython's output history (Out, _), and the
+    # model with it after drop() (400 MB more held at every later row, 2026-12-04).
 
 accumulate = {}  # name -> micro-batches per optimizer step (gradient accumulation)
 
@@ -197,7 +201,7 @@ def train(name, batch, steps):
 
 # Where each step of a truth probe left the allocator (None: not recorded): the step's peak,
 # then what the next step starts from (allocated, reserved, segments, free bytes in split
-# blocks) and the GradScaler's scale. It tells whether a step that left the same as the step
+# blocks), the GradScaler's scale, and the step's peak reserved. It tells whether a step that left the same as the step
 # before was followed by one that needed more (the rule %maxbatch ends its trials by).
 marks = None
 LAYOUT = ("allocated_bytes.all.current", "reserved_bytes.all.current", "segment.all.current",
@@ -206,7 +210,8 @@ LAYOUT = ("allocated_bytes.all.current", "reserved_bytes.all.current", "segment.
 def mark_step(scaler):
     stats = torch.cuda.memory_stats()
     marks.append((torch.cuda.max_memory_allocated(), *(stats.get(k, 0) for k in LAYOUT),
-                  scaler.get_scale() if scaler is not None else None))
+                  scaler.get_scale() if scaler is not None else None,
+                  torch.cuda.max_memory_reserved()))
     torch.cuda.reset_peak_memory_stats()
 
 curve = []  # (batch, fits, peak allocated, peak reserved) of every fits() call

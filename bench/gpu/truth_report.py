@@ -125,38 +125,45 @@ def breakdown(rows):
               f" | {o['steps'] / max(b['steps'], 1e-9):.2f} |")
 
 
+# trials.py's STEADY_HEADROOM and STEADY_SLACK
+HEADROOM, SLACK = 0.9, 0.001
+
+
 def steady(rows):
-    """Checks the rule %maxbatch ends its trials by (trials.py `_run_steps`: after a step that
-    left the allocator and the scale as the step before did, the next would repeat it) on the
-    truth's own probes, which ran every step and marked each (`step_marks`)."""
-    probes = [(r["model"], b, ok, m) for r in rows for b, ok, m in r.get("step_marks", [])]
+    """Checks the rule %maxbatch ends its trials by (trials.py `_run_steps`: after a second
+    step that left the allocated bytes within SLACK of the limit of where the first did, the
+    scale unchanged, the cache at most HEADROOM of the limit, the third is not run) on the
+    truth's own probes, which ran every step and marked each (`step_marks`: peak, allocated,
+    reserved, segments, inactive split, scale, peak reserved)."""
+    probes = [(r, b, ok, m) for r in rows for b, ok, m in r.get("step_marks", [])]
     if not probes:
         return
-    stop_at_2 = wrong = ooms = 0
-    misses = []
-    for model, batch, ok, m in probes:
-        if len(m) >= 2 and m[1][1:] == m[0][1:]:  # the layout and scale after 2 = after 1
-            if ok:
-                stop_at_2 += 1
-                if len(m) >= 3 and m[2][0] > max(m[0][0], m[1][0]):
-                    misses.append(f"{model}@{batch}: step 3 peaked {m[2][0] - max(m[0][0], m[1][0])} B higher")
-            else:  # it ran out of memory at step 3 although step 2 repeated step 1
-                wrong += 1
-                misses.append(f"{model}@{batch}: out of memory at step 3")
-        if not ok:
-            ooms += 1
+    ends, misses, excess = 0, [], []
+    for r, batch, ok, m in probes:
+        if len(m) < 2:
+            continue
+        limit = r["limit"]
+        if (m[1][5] == m[0][5] and abs(m[1][1] - m[0][1]) <= SLACK * limit
+                and max(m[0][6], m[1][6]) <= HEADROOM * limit):
+            ends += 1
+            if not ok:
+                misses.append(f"{r['model']}@{batch}: out of memory at step 3")
+            elif len(m) >= 3:
+                excess.append(m[2][0] - max(m[0][0], m[1][0]))
     fitted = sum(1 for p in probes if p[2])
-    print(f"\nThe steady-step rule on the truth's {len(probes)} probes (3 steps each, every step "
-          f"marked): of {fitted} that fitted, {stop_at_2} had a second step that left the "
-          f"allocator as the first did (a trial would end there); of {ooms} that ran out of "
-          f"memory, {wrong} did so at step 3 after such a second step. Misses: "
-          f"{'; '.join(misses) if misses else 'none'}.")
+    worst = max(excess, default=0)
+    print(f"\nThe early end of a trial, checked on the truth's {len(probes)} probes (3 steps "
+          f"each, every step marked): {ends} of the {fitted} that fitted would have ended after "
+          f"2 steps; in those the third step peaked at most {worst / 2**20:.2f} MiB above the "
+          f"first two. Wrong calls (a probe that ran out of memory at step 3 after such a second "
+          f"step): {'; '.join(misses) if misses else 'none'}.")
     by_step = {}
     for _, _, ok, m in probes:
         if not ok:
             by_step[len(m) + 1] = by_step.get(len(m) + 1, 0) + 1
     if by_step:
-        print("Out of memory at step: " + ", ".join(f"{k}: {v}" for k, v in sorted(by_step.items())))
+        print("Probes out of memory, by the step that failed: "
+              + ", ".join(f"step {k}: {v}" for k, v in sorted(by_step.items())))
 
 
 if __name__ == "__main__":

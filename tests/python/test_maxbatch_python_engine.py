@@ -516,15 +516,17 @@ def test_a_step_that_skipped_the_optimizer_is_not_taken_as_steady(trials):
     call(trials, ns, "close")
 
 
-@pytest.mark.parametrize("marks, most, ran", [
-    # allocated bytes after each step: the optimizer's state made at the first step
-    ([(100, []), (100, []), (100, [])], 3, 2),
-    ([(100, []), (140, []), (140, [])], 3, 3),  # state made at the second (a skipped first)
-    ([(100, [8.0]), (100, [4.0]), (100, [4.0])], 3, 3),  # the scale halved at the second
-    ([(100, []), (140, []), (150, []), (150, [])], 5, 4),
-    ([(100, []), (140, []), (150, [])], 3, 3),  # never steady: all the steps asked for
+@pytest.mark.parametrize("marks, far, most, ran", [
+    # (allocated bytes after each step, scales); the limit is 10**6 bytes
+    ([(100, []), (100, []), (100, [])], True, 3, 2),
+    ([(100, []), (5000, []), (5000, [])], True, 3, 3),  # state made at the second (a skipped first)
+    ([(100, []), (1100, []), (1110, [])], True, 3, 2),  # within the slack of 1000 bytes: steady
+    ([(100, [8.0]), (100, [4.0]), (100, [4.0])], True, 3, 3),  # the scale halved at the second
+    ([(100, []), (5000, []), (5500, []), (5500, [])], True, 5, 3),
+    ([(100, []), (100, []), (100, [])], False, 3, 3),  # near the limit: every step asked for
+    ([(100, []), (5000, []), (9000, [])], True, 3, 3),  # never steady: all the steps asked for
 ])
-def test_the_steady_stop_follows_the_marks_steps_leave(trials, marks, most, ran):
+def test_the_steady_stop_follows_the_marks_steps_leave(trials, marks, far, most, ran):
     class Steps:
         def __init__(self):
             self.made = 0
@@ -537,6 +539,8 @@ def test_the_steady_stop_follows_the_marks_steps_leave(trials, marks, most, ran)
     session = trials.Session.__new__(trials.Session)  # the stopping rule alone
     session.step = Steps()
     session.on_gpu = lambda: False
+    session.memory = lambda: {"limit": 10 ** 6}
+    session._far_below = lambda limit: far
     left = iter(marks)
     session._mark = lambda: next(left)
     assert session._run_steps(2, most) == ran
