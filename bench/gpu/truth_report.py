@@ -63,12 +63,23 @@ def main(path):
     trials = [r["trials"] for r in python_rows]
     search_trials = [len(r["trial_list"]) for r in python_rows if "trial_list" in r]
     within = [r for r in python_rows if r.get("ratio") and 0.98 <= r["ratio"] <= 1.0]
+    holed = [r for r in python_rows if r.get("ratio_below_holes")]
+    within_holes = [r for r in python_rows if 0.98 <= (r.get("ratio_below_holes") or r.get("ratio")
+                                                       or 0) <= 1.0]
     ok_rec = [r for r in python_rows if r.get("steps_ok_at_recommended") == 30]
     ok_max = [r for r in python_rows if r.get("steps_ok_at_max") == 30]
     fast = [r for r in python_rows if (r.get("time_vs_baseline") or 9) <= 1 / 3]
     n = len(python_rows)
     print("Issue 13's targets on the python engine's rows (computed from the JSON):\n")
     print(f"- `0.98 <= max/true <= 1`: {len(within)} of {n}")
+    for r in holed:
+        print(f"  - {r['model']}: the truth's own probes failed at {r['holes']} below its "
+              f"bisection's {r['true_max']}; the largest batch with no failure below it is "
+              f"{r['true_max_below_holes']}, and ours ({r['max_batch']}) is "
+              f"{r['ratio_below_holes']:.3f} of that")
+    if holed:
+        print(f"  - judged against the largest batch with no failure below it: "
+              f"{len(within_holes)} of {n}")
     at_max = [r for r in python_rows if r.get("steps_ok_at_max") is not None]
     print(f"- 30 steps at the recommendation: {len(ok_rec)} of {n}" + (
         f"; at the maximum itself: {len(ok_max)} of {len(at_max)}" if at_max else ""))

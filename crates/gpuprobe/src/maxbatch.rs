@@ -404,8 +404,9 @@ fn trial(
 }
 
 /// The memory the allocator may use on `device` for a request: with `--limit`, the card's
-/// size less this process's CUDA context, enforced on the allocator for as long as this
-/// lives (restored on drop, also after an error); without, the device as it is.
+/// size less this process's CUDA context; for a notebook module, the notebook allocator's own
+/// budget; enforced on the allocator for as long as this lives (restored on drop, also after
+/// an error). Otherwise the device as it is.
 struct Budget {
     device: usize,
     bytes: u64,
@@ -421,12 +422,15 @@ impl Budget {
         let reserved = stats.reserved_bytes.current.max(0) as u64;
         let available = reserved.saturating_add(stats.free);
         let Some(card) = request.limit else {
-            return Ok(Self {
-                device,
-                bytes: available,
-                context: None,
-                capped: false,
-            });
+            let Some(budget) = request.allocator_budget.filter(|&b| b < available) else {
+                return Ok(Self {
+                    device,
+                    bytes: available,
+                    context: None,
+                    capped: false,
+                });
+            };
+            return Self::capped(device, budget, None, stats.total);
         };
         // Only a card size needs the context taken off (an NVML query).
         let context = own_context_bytes(reserved);
@@ -440,10 +444,15 @@ impl Budget {
                 crate::units::human_bytes(reserved)
             ));
         }
-        if stats.total == 0 {
+        Self::capped(device, bytes, context, stats.total)
+    }
+
+    /// The allocator capped at `bytes` of the device's `total`.
+    fn capped(device: usize, bytes: u64, context: Option<u64>, total: u64) -> Result<Self, String> {
+        if total == 0 {
             return Err("the device reports no memory size".into());
         }
-        allocator::set_memory_fraction(device, bytes as f64 / stats.total as f64)
+        allocator::set_memory_fraction(device, bytes as f64 / total as f64)
             .map_err(|e| e.to_string())?;
         Ok(Self {
             device,
@@ -683,6 +692,7 @@ mod tests {
             inference: false,
             device: 0,
             limit: None,
+            allocator_budget: None,
             max_batch: 1 << 16,
             max_trials: 12,
             tolerance: 0.0,

@@ -158,6 +158,11 @@ pub struct MaxBatchRequest {
     /// The size of the card to answer for, in bytes (default: this device as it is, i.e. what
     /// it has free plus what we hold). The CUDA context's own memory is taken off it.
     pub limit: Option<u64>,
+    /// Without `limit`: the allocator's budget in bytes as another process has it (a notebook
+    /// module's kernel, capped by its memory fraction), taken as it is: that process's own
+    /// CUDA context is outside its allocator too.
+    #[serde(default)]
+    pub allocator_budget: Option<u64>,
     pub max_batch: u64,
     pub max_trials: usize,
     /// Stop once the answer is within this fraction of the true maximum (0: to the sample).

@@ -24,6 +24,9 @@ pub(super) struct ExportedModule {
     /// How much of that is the module's own weights, buffers and gradients.
     #[serde(default)]
     pub own_bytes: Option<u64>,
+    /// What the notebook's allocator may hold on that GPU (its memory fraction applied).
+    #[serde(default)]
+    pub allocator_limit: Option<u64>,
 }
 
 const EXPORT_MODULE_SOURCE: &str = include_str!("export_module.py");

@@ -61,7 +61,19 @@ def _held(torch, module):
         if t.device == device and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             own += t.numel() * t.element_size()
-    return {"held_on_device": torch.cuda.memory_allocated(device), "own_bytes": own}
+    return {"held_on_device": torch.cuda.memory_allocated(device), "own_bytes": own,
+            "allocator_limit": _allocator_limit(torch, device)}
+
+
+def _allocator_limit(torch, device):
+    """What this process's caching allocator may hold on `device`: what it holds plus what
+    the device has free, within its memory fraction (a notebook sharing a card caps it so).
+    The libtorch engine sizes its copy against this, not against the whole card."""
+    free, total = torch.cuda.mem_get_info(device)
+    limit = free + torch.cuda.memory_reserved(device)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = float(getter(device)) if getter is not None else 1.0
+    return min(limit, int(total * fraction)) if fraction < 1.0 else limit
 
 
 def _vocab(torch, module):

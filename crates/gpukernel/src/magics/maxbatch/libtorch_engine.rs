@@ -83,6 +83,7 @@ fn request(args: &Args, model: ModelSource) -> MaxBatchRequest {
         inference: args.inference,
         device: args.device.unwrap_or(0),
         limit: args.limit,
+        allocator_budget: None,
         max_batch: args.max.max(1),
         max_trials: MAX_TRIALS,
         tolerance: if args.exact { 0.0 } else { TOLERANCE },
@@ -180,6 +181,9 @@ pub(super) fn run(args: &Args, target: &Target, ctx: &MagicContext) -> Result<()
     request.vocab = request
         .vocab
         .or(exported.as_ref().and_then(|e| e.module.vocab));
+    // A notebook module's answer is for its kernel: sized against what that kernel's
+    // allocator may hold, unless --limit asks for a card.
+    request.allocator_budget = exported.as_ref().and_then(|e| e.module.allocator_limit);
     let result = search(args, request, exported.as_ref(), ctx);
     drop(exported); // the private TorchScript file goes now, whatever happened
     result
@@ -270,12 +274,9 @@ fn unseen_memory_note(
     }
     let per_sample = search.fit.map(|(_, per)| per).filter(|p| *p > 0.0);
     let samples = per_sample
-        .map(|p| {
-            format!(
-                ", up to about {} samples of this answer",
-                (extra as f64 / p) as u64
-            )
-        })
+        .map(|p| (extra as f64 / p) as u64)
+        .filter(|&n| n > 0)
+        .map(|n| format!(", up to about {n} samples of this answer"))
         .unwrap_or_default();
     Some(format!(
         "your Python kernel holds {} on this GPU besides the model's own weights and \
@@ -410,5 +411,14 @@ mod tests {
         // Nothing beyond the model, or off the GPU: no note.
         assert!(unseen_memory_note(&module(Some(gb), Some(gb)), &search(69.0e6)).is_none());
         assert!(unseen_memory_note(&module(None, None), &search(69.0e6)).is_none());
+    }
+
+    #[test]
+    fn less_than_a_sample_held_is_named_without_a_count_of_samples() {
+        let mib = 1u64 << 20;
+        let note = unseen_memory_note(&module(Some(1000 * mib), Some(934 * mib)), &search(130.0e6))
+            .expect("a note");
+        assert!(note.contains("66.0 MiB"), "{note}");
+        assert!(!note.contains("samples"), "{note}");
     }
 }
