@@ -63,6 +63,8 @@ def main(path):
     trials = [r["trials"] for r in python_rows]
     search_trials = [len(r["trial_list"]) for r in python_rows if "trial_list" in r]
     within = [r for r in python_rows if r.get("ratio") and 0.98 <= r["ratio"] <= 1.0]
+    for r in python_rows:
+        with_holes(r)
     holed = [r for r in python_rows if r.get("ratio_below_holes")]
     within_holes = [r for r in python_rows if 0.98 <= (r.get("ratio_below_holes") or r.get("ratio")
                                                        or 0) <= 1.0]
@@ -74,12 +76,12 @@ def main(path):
     print(f"- `0.98 <= max/true <= 1`: {len(within)} of {n}")
     for r in holed:
         print(f"  - {r['model']}: the truth's own probes failed at {r['holes']} below its "
-              f"bisection's {r['true_max']}; the largest batch with no failure below it is "
-              f"{r['true_max_below_holes']}, and ours ({r['max_batch']}) is "
-              f"{r['ratio_below_holes']:.3f} of that")
+              f"bisection's {r['true_max']} (the allocator's fragmentation); below the "
+              f"smallest failure the maximum is at most {r['true_max_below_holes']}, and ours "
+              f"({r['max_batch']}) is {r['ratio_below_holes']:.3f} of that")
     if holed:
-        print(f"  - judged against the largest batch with no failure below it: "
-              f"{len(within_holes)} of {n}")
+        print(f"  - judged against the maximum below the smallest failure where the truth "
+              f"saw one: {len(within_holes)} of {n}")
     at_max = [r for r in python_rows if r.get("steps_ok_at_max") is not None]
     print(f"- 30 steps at the recommendation: {len(ok_rec)} of {n}" + (
         f"; at the maximum itself: {len(ok_max)} of {len(at_max)}" if at_max else ""))
@@ -108,6 +110,19 @@ def main(path):
               f"at most {ratios[-1]:.2f}")
     breakdown(python_rows)
     steady(python_rows)
+
+
+def with_holes(r):
+    """Adds what maxbatch_truth.py adds since 2026-12-04 to a row of a run before (from its
+    curve, the same rule): batches that failed below the bisection's answer, the largest
+    maximum with no failure below it (one less than the smallest), and the answer's ratio to
+    that."""
+    if "holes" not in r and r.get("curve") and r.get("true_max"):
+        holes = sorted(b for b, ok, *_ in r["curve"] if not ok and b < r["true_max"])
+        r["holes"] = holes
+        r["true_max_below_holes"] = holes[0] - 1 if holes else r["true_max"]
+    if r.get("holes") and r.get("true_max_below_holes") and r.get("max_batch"):
+        r["ratio_below_holes"] = r["max_batch"] / r["true_max_below_holes"]
 
 
 def parts(t):
@@ -154,8 +169,10 @@ def steady(rows):
         if len(m) < 2:
             continue
         limit = r["limit"]
+        # Each step's peak reserved (runs before 2026-12-04c marked only what it left).
+        reserved = [s[6] if len(s) > 6 else s[2] for s in m[:2]]
         if (m[1][5] == m[0][5] and abs(m[1][1] - m[0][1]) <= SLACK * limit
-                and max(m[0][6], m[1][6]) <= HEADROOM * limit):
+                and max(reserved) <= HEADROOM * limit):
             ends += 1
             if not ok:
                 misses.append(f"{r['model']}@{batch}: out of memory at step 3")

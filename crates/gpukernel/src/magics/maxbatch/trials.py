@@ -657,10 +657,12 @@ class Session:
         that repeats the one before: from the second on, one that left the allocated bytes
         within STEADY_SLACK of the limit of where the step before left them, every scale as
         it was, and the cache at most STEADY_HEADROOM of the limit. Measured on an H200 over
-        86 three-step probes of 12 models (maxbatch-truth-2026-12-04b), a third step never
-        needed more than 1 MiB above the second's peak, while one near the limit can still
-        run out of memory (a UNet, once in 38): so only trials far from the limit end early,
-        the openings and the small batches, where a third of a step is saved for nothing."""
+        the three-step probes of 12 models (maxbatch-truth-2026-12-04b and -04c), where this
+        rule ends 45 of 86 and 40 of 83 fitting probes, a third step never peaked more than
+        1 MiB above the first two, while one near the limit can still run out of memory (3 of
+        43 failures came at step 3): so only trials far from the limit end early, the openings
+        and the small batches, where a third of a step is saved for nothing. (Requiring the
+        allocator's exact layout instead ended 1 of 86.)"""
         self.steps_ran = 0
         limit = self.memory().get("limit", 0) if until_steady else 0
         steps = self.step.steps(batch)
