@@ -2,9 +2,10 @@
 
 Run on the GPU machine, in its own process (Lightning owns the training loop there):
     python3 bench/gpu/lightning_finder.py [MODEL ...]
-Per model: the batch size Lightning's `Tuner.scale_batch_size(mode="binsearch")` finds (2 steps
-per trial, as our trials), how many batch sizes it tried, and its wall time. Writes
-$OUT/lightning_finder.json after each model.
+Per model: the batch size Lightning's `Tuner.scale_batch_size(mode="binsearch")` finds (3 steps
+per trial, its default and the most our trials run), how many batch sizes it tried, and its wall
+time. Writes $OUT/lightning_finder.json after each model. Its wheels (lightning, torchmetrics,
+aiohttp and theirs) are not in `.whl/`: `.whl/lightning/` on the run that needs them.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def main() -> int:
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
         t0 = time.time()
-        found = Tuner(trainer).scale_batch_size(module, mode="binsearch", steps_per_trial=2,
+        found = Tuner(trainer).scale_batch_size(module, mode="binsearch", steps_per_trial=3,
                                                 init_val=2, max_trials=25)
         row = {"model": name, "engine": "lightning BatchSizeFinder (binsearch)",
                "max_batch": found, "trials": len(module.tried), "tried": module.tried,
