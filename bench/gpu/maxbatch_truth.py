@@ -273,12 +273,11 @@ def true_max(name, start, survey=False):
             if int(f * lo) > 64:
                 fits(name, int(f * lo))
     # The allocator's fragmentation can make a batch fail below one that fits (a GPT in fp16:
-    # 66 failed at its first step where 68 ran): then the largest batch that fits with no
-    # failure below it is the one a user can count on, and an answer is judged against that.
+    # 66 failed at its first step where 68 ran). A user can count on no batch at or above the
+    # smallest failure: the largest maximum with none below it is one less.
     holes = sorted(b for b, ok, *_ in curve if not ok and b < lo)
-    below = [b for b, ok, *_ in curve if ok and (not holes or b < holes[0])]
     return {"true_max": lo, "probes": probes, "seconds": time.time() - t0,
-            "holes": holes, "true_max_below_holes": max(below, default=0) if holes else lo,
+            "holes": holes, "true_max_below_holes": holes[0] - 1 if holes else lo,
             "curve": sorted(set(curve)), "step_marks": probe_marks}
 
 def steps_ok(name, batch, n=30):
