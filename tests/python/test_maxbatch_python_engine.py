@@ -545,3 +545,40 @@ def test_the_steady_stop_follows_the_marks_steps_leave(trials, marks, far, most,
     session._mark = lambda: next(left)
     assert session._run_steps(2, most) == ran
     assert session.step.made == ran
+
+
+def test_a_step_that_draws_from_the_users_dataloader_leaves_it_drawing_the_same(trials):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    # A user's own pipeline: a shuffling DataLoader built at the batch size asked for, two
+    # worker processes, as `FN(batch_size)` in a notebook would do it.
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    drawn = []
+
+    def step(batch):
+        loader = DataLoader(data, batch_size=batch, shuffle=True, num_workers=2)
+        x, y = next(iter(loader))
+        drawn.append(x.shape[0])
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    def first_batch():
+        return next(iter(DataLoader(data, batch_size=8, shuffle=True)))[0]
+
+    ns = {"step": step, "model": model, "opt": opt, "data": data}
+    rng = torch.random.get_rng_state()
+    expected = first_batch()  # what the user's next draw gives, had no trial run
+    torch.random.set_rng_state(rng)
+    weights = [p.detach().clone() for p in model.parameters()]
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    result = call(trials, ns, "trial", batch=16, steps=3)
+    assert result["result"] == "ran" and drawn and set(drawn) == {16}
+    call(trials, ns, "close")
+    # The shuffle order, the weights and the optimizer are as the trial found them.
+    assert torch.equal(first_batch(), expected)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    assert len(opt.state) == 0
