@@ -25,8 +25,8 @@ const KEY: &str = "_gpukernel_maxbatch";
 /// Steps per trial, at most: the second runs with the optimizer state the first allocated and
 /// the gradients it left, as every later training step does; a third, because some models'
 /// third step from a fresh optimizer needs more than the second (a UNet measured on an H200:
-/// maxbatch-truth-2026-12-03). Lightning's finder also runs 3. A trial ends after two when the
-/// second left the cache as the first did (trials.py `_run_steps`): the third would repeat it.
+/// maxbatch-truth-2026-12-03). Lightning's finder also runs 3. Far below the limit a trial ends
+/// after two when the second left memory as the first did (trials.py `_run_steps`).
 const STEPS_PER_TRIAL: u32 = 3;
 
 /// Bound on the calls that are not trials (prepare, close): they copy the state to or from
@@ -806,8 +806,8 @@ fn assumptions(
     let (step, precision, input) = if spec.kind == "step" {
         (
             format!(
-                "your {}(batch_size), up to {STEPS_PER_TRIAL} calls per trial (two when the \
-                 second leaves memory as the first did)",
+                "your {}(batch_size), {STEPS_PER_TRIAL} calls per trial (two far below the \
+                 limit when the second leaves memory as the first did)",
                 spec.target
             ),
             "whatever your step uses".to_string(),
@@ -824,9 +824,9 @@ fn assumptions(
             };
             format!(
                 "a standard step of {}: zero_grad, forward, loss, backward{scaler}, optimizer \
-                 step; up to {STEPS_PER_TRIAL} steps per trial (two when the second leaves \
-                 memory as the first did), the last output alive into the next step as in a \
-                 for loop",
+                 step; {STEPS_PER_TRIAL} steps per trial (two far below the limit when the \
+                 second leaves memory as the first did), the last output alive into the next \
+                 step as in a for loop",
                 spec.target
             )
         };
