@@ -100,6 +100,15 @@ def main(path):
         print(f"- time at most 1/3 of the Lightning procedure's: {len(fast_lp)} of {len(lp)}; "
               f"over all rows {ours:.1f} s vs {theirs:.1f} s ({ours / theirs:.2f}); per row "
               f"median {statistics.median(ratios):.2f}, at most {ratios[-1]:.2f}")
+        over = [r for r in lp if r.get("true_max")
+                and r["lightning_procedure"]["max_batch"] > r["true_max"]]
+        if over:
+            print(f"- the Lightning procedure's answer is above the loop's true maximum (it "
+                  f"would run out of memory in the user's first steps) in {len(over)} of "
+                  f"{len(lp)} rows: " + ", ".join(
+                      f"{r['model']} {r['lightning_procedure']['max_batch']} vs {r['true_max']}"
+                      for r in over) + " (its trials go on from the optimizer state an "
+                  "earlier, smaller trial made)")
     timed = [r for r in python_rows if r.get("baseline_seconds")]
     if timed:
         ours = sum(r["seconds"] for r in timed)
