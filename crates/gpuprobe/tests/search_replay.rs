@@ -2,16 +2,22 @@
 //! (`SURVEY=1 bench/gpu/maxbatch_truth.py`, committed under `bench/results/`). Each curve is
 //! the peak allocated and reserved bytes of the notebook's loop at a set of batch sizes, and
 //! its true maximum from an exact bisection of that loop. A replayed trial interpolates the
-//! curve; a batch above the true maximum runs out of memory. The issue's targets hold here:
-//! every answer within 1.5% below the truth, at most 10 trials, 6 in the median; and the
-//! search's compute, by a cost model, a third of Lightning's double-then-bisect to the exact
-//! maximum on the same curves. With the trial %maxbatch adds to run its recommendation (unless
-//! the search ran that batch), the figure is 0.445, not a third: that is guarded at its
-//! level, not passed off as the target. Cost model: a trial that fits runs 3 steps of `batch`
-//! samples; one that does not fails within its first step (counted as one whole step). It
-//! leaves out each step's fixed cost (the optimizer step, launches), which makes small trials
-//! dearer than their samples on the GPU: measured there, `seconds` vs `baseline_seconds` in
-//! maxbatch-truth-*.json, the ratio is higher still.
+//! curve; a batch above the true maximum runs out of memory. The issue's search targets hold
+//! here: every answer within 1.5% below the truth, at most 10 trials, 6 in the median. Its time
+//! target (a third of Lightning's double-then-bisect to the exact maximum) does not: by the
+//! cost model below the search alone costs 0.340 of the baseline's compute on the same curves,
+//! and 0.450 with the trial %maxbatch adds to run its recommendation (unless the search ran
+//! that batch). Both are guarded at their level, not passed off as the target.
+//!
+//! Cost model, in sample-steps, from the trials measured on the H200 (maxbatch-truth-2026-12-04c):
+//! a trial that fits runs 3 steps of `batch` samples, or 2 where its cache peaked at most 0.9
+//! of the limit (the early end of trials.py, as in our harness for both searches); one that
+//! fails costs 1.25 steps (the mean over the truth's failing probes, which fail at step 2 most
+//! often, the failing step counted half). It leaves out each step's fixed cost (the optimizer
+//! step, launches), which makes small trials dearer than their samples on the GPU: measured
+//! there, `seconds` vs `baseline_seconds` in maxbatch-truth-*.json, the ratio is higher still.
+//! (With the older model, 3 steps for every fit and 1 for every failure, the figures were
+//! 0.331 and 0.445.)
 
 use gpuprobe::search::{
     double_then_bisect, recommend, search, Outcome, SearchConfig, SearchResult, Stop,
@@ -79,12 +85,35 @@ fn interpolate(points: &[(u64, u64, u64)], batch: u64) -> (u64, u64) {
 /// The recommendation's margin, as %maxbatch's default.
 const MARGIN: f64 = 0.05;
 
+/// Steps a trial that fits runs: 2 when its cache peaked at most this fraction of the limit
+/// (trials.py's STEADY_HEADROOM: far below the limit a trial ends once its second step repeats
+/// the first, which it did in 40 of 83 fitting probes in maxbatch-truth-2026-12-04c), else 3.
+const HEADROOM: f64 = 0.9;
+/// Steps a failing trial costs: its step that failed counted as half, over the 43 failing
+/// probes of maxbatch-truth-2026-12-04c (14 failed at step 1, 26 at step 2, 3 at step 3).
+const FAILED_STEPS: f64 = 1.25;
+
+/// Steps a trial that fits at `reserved` bytes of peak cache runs.
+fn fit_steps(reserved: u64, limit: u64) -> f64 {
+    if reserved as f64 <= HEADROOM * limit as f64 {
+        2.0
+    } else {
+        3.0
+    }
+}
+
 /// Sample-steps of compute a search's trials cost (see the module doc).
-fn cost(result: &SearchResult) -> f64 {
+fn cost(result: &SearchResult, limit: u64) -> f64 {
     result
         .trials
         .iter()
-        .map(|t| t.batch as f64 * if t.fits { 3.0 } else { 1.0 })
+        .map(|t| {
+            let steps = match t.outcome {
+                Outcome::Ran { reserved, .. } if t.fits => fit_steps(reserved, limit),
+                _ => FAILED_STEPS,
+            };
+            t.batch as f64 * steps
+        })
         .sum()
 }
 
@@ -97,7 +126,7 @@ fn confirmation(result: &SearchResult) -> Option<u64> {
 }
 
 #[test]
-fn measured_curves_are_searched_to_within_tolerance_at_a_third_of_the_cost() {
+fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_cost() {
     let surveys = surveys();
     assert!(
         !surveys.is_empty(),
@@ -147,10 +176,13 @@ fn measured_curves_are_searched_to_within_tolerance_at_a_third_of_the_cost() {
             let baseline = double_then_bisect(&exact, 2, probe);
             assert_eq!(baseline.max_fit, Some(truth), "{}", row.model);
             let confirm = confirmation(&result);
-            let ours = cost(&result) + confirm.map_or(0.0, |b| 3.0 * b as f64);
-            costs.0 += cost(&result);
+            let confirm_cost = confirm.map_or(0.0, |b| {
+                b as f64 * fit_steps(interpolate(&points, b).1, limit)
+            });
+            let ours = cost(&result, limit) + confirm_cost;
+            costs.0 += cost(&result, limit);
             costs.1 += ours;
-            costs.2 += cost(&baseline);
+            costs.2 += cost(&baseline, limit);
             let found = result.max_fit.unwrap_or(0);
             let tried: Vec<(u64, bool)> = result.trials.iter().map(|t| (t.batch, t.fits)).collect();
             let what = format!(
@@ -158,7 +190,7 @@ fn measured_curves_are_searched_to_within_tolerance_at_a_third_of_the_cost() {
                  trials {tried:?}, then confirmed {confirm:?}",
                 row.model,
                 path.display(),
-                ours / cost(&baseline),
+                ours / cost(&baseline, limit),
                 baseline.trials.len(),
             );
             assert!(
@@ -181,14 +213,14 @@ fn measured_curves_are_searched_to_within_tolerance_at_a_third_of_the_cost() {
         "cost: the search {search_only:.3} of the baseline's, with the confirming trial \
          {confirmed:.3}"
     );
+    // The issue's third is not met, by the search alone or with the confirming trial (a trial
+    // near the maximum): guards against regressions at the levels measured, not the target.
     assert!(
-        search_only <= 1.0 / 3.0,
+        search_only <= 0.345,
         "cost {search_only:.3} of the baseline's"
     );
-    // The issue's third is not met once the recommendation is run too (a trial of 3 steps
-    // near the maximum): a guard against regressions at the level measured, not the target.
     assert!(
-        confirmed <= 0.45,
+        confirmed <= 0.455,
         "cost with the confirming trial {confirmed:.3}"
     );
 }
