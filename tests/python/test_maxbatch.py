@@ -183,6 +183,27 @@ def test_the_export_file_is_private(tmp_path, monkeypatch):
     assert torch.jit.load(str(path))(torch.ones(1, 4)).shape == (1, 2)
 
 
+def test_the_export_names_the_allocator_budget_of_its_kernel():
+    """What the libtorch engine sizes a notebook module against: the kernel allocator's
+    free + reserved bytes, within its memory fraction (a stand-in for torch.cuda here: this
+    machine has no GPU; the H200 run is maxbatch-truth-2026-12-04-libtorch-budget)."""
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("export_module", EXPORT_MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    gib = 1 << 30
+
+    def card(fraction):
+        cuda = SimpleNamespace(mem_get_info=lambda d: (100 * gib, 140 * gib),
+                               memory_reserved=lambda d: 2 * gib,
+                               get_per_process_memory_fraction=lambda d: fraction)
+        return SimpleNamespace(cuda=cuda)
+
+    assert module._allocator_limit(card(1.0), 0) == 102 * gib
+    assert module._allocator_limit(card(0.25), 0) == 35 * gib  # a notebook capped to a share
+
+
 def test_amp_and_dtype_do_not_combine(magics):
     km, kc = magics
     reply, _ = execute(kc, "%maxbatch resnet18 --amp bf16 --dtype fp16")

@@ -539,7 +539,7 @@ def test_the_steady_stop_follows_the_marks_steps_leave(trials, marks, far, most,
     session = trials.Session.__new__(trials.Session)  # the stopping rule alone
     session.step = Steps()
     session.on_gpu = lambda: False
-    session.memory = lambda: {"limit": 10 ** 6}
+    session._limit = lambda: 10 ** 6
     session._far_below = lambda limit: far
     left = iter(marks)
     session._mark = lambda: next(left)

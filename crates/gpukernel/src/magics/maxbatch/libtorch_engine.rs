@@ -60,6 +60,19 @@ fn model_source(
     }
 }
 
+/// The request for `model`; for a notebook module (`exported`), its token range and its
+/// kernel's allocator budget: the answer is for that kernel, unless --limit asks for a card.
+fn request_for(
+    args: &Args,
+    model: ModelSource,
+    exported: Option<&ExportedModule>,
+) -> MaxBatchRequest {
+    let mut request = request(args, model);
+    request.vocab = request.vocab.or(exported.and_then(|e| e.vocab));
+    request.allocator_budget = exported.and_then(|e| e.allocator_limit);
+    request
+}
+
 fn request(args: &Args, model: ModelSource) -> MaxBatchRequest {
     MaxBatchRequest {
         model,
@@ -177,13 +190,7 @@ fn call_live(request: &Request, live: &Live, ctx: &MagicContext) -> Result<Value
 
 pub(super) fn run(args: &Args, target: &Target, ctx: &MagicContext) -> Result<(), MagicError> {
     let (model, exported) = model_source(args, target, ctx)?;
-    let mut request = request(args, model);
-    request.vocab = request
-        .vocab
-        .or(exported.as_ref().and_then(|e| e.module.vocab));
-    // A notebook module's answer is for its kernel: sized against what that kernel's
-    // allocator may hold, unless --limit asks for a card.
-    request.allocator_budget = exported.as_ref().and_then(|e| e.module.allocator_limit);
+    let request = request_for(args, model, exported.as_ref().map(|e| &e.module));
     let result = search(args, request, exported.as_ref(), ctx);
     drop(exported); // the private TorchScript file goes now, whatever happened
     result
@@ -411,6 +418,25 @@ mod tests {
         // Nothing beyond the model, or off the GPU: no note.
         assert!(unseen_memory_note(&module(Some(gb), Some(gb)), &search(69.0e6)).is_none());
         assert!(unseen_memory_note(&module(None, None), &search(69.0e6)).is_none());
+    }
+
+    #[test]
+    fn a_notebook_module_is_sized_against_its_kernels_allocator() {
+        let exported: ExportedModule = serde_json::from_value(serde_json::json!({
+            "path": "/tmp/x.pt", "method": "trace", "training": true, "parameters": 1,
+            "vocab": 32000, "allocator_limit": 25_769_803_776u64,
+        }))
+        .expect("an export reply");
+        let args = super::super::tests::args(&["m", "--engine", "libtorch"]);
+        let model = ModelSource::TorchScript {
+            path: exported.path.clone(),
+        };
+        let request = request_for(&args, model.clone(), Some(&exported));
+        assert_eq!(request.allocator_budget, Some(25_769_803_776));
+        assert_eq!(request.limit, None);
+        assert_eq!(request.vocab, Some(32000));
+        // A built-in or a file has no kernel to answer for.
+        assert_eq!(request_for(&args, model, None).allocator_budget, None);
     }
 
     #[test]

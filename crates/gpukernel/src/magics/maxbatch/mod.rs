@@ -396,7 +396,7 @@ fn libtorch(_: &Args, _: &Target, _: &MagicContext) -> Result<(), MagicError> {
 mod tests {
     use super::*;
 
-    fn args(words: &[&str]) -> Args {
+    pub(super) fn args(words: &[&str]) -> Args {
         Args::try_parse_from(std::iter::once("%maxbatch").chain(words.iter().copied()))
             .expect("arguments parse")
     }

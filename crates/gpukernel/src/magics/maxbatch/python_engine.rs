@@ -138,6 +138,13 @@ struct TrialReply {
     cleanup_ms: Cleanup,
 }
 
+impl TrialReply {
+    /// The steps it ran (a reply without the field: all it was asked for).
+    fn steps(&self) -> u32 {
+        self.steps.unwrap_or(STEPS_PER_TRIAL)
+    }
+}
+
 /// What a trial spent after its steps, in ms.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default)]
@@ -347,9 +354,17 @@ pub(super) fn run(
         device_total: memory.total.unwrap_or(0),
         card,
         elapsed_ms: 0.0,
-        trial_ms: searched.trial_ms,
-        trial_steps: searched.trial_steps,
-        trial_reserved: searched.trial_reserved,
+        trial_ms: searched.records.iter().map(|r| (r.batch, r.ms)).collect(),
+        trial_steps: searched
+            .records
+            .iter()
+            .map(|r| (r.batch, r.steps))
+            .collect(),
+        trial_reserved: searched
+            .records
+            .iter()
+            .filter_map(|r| Some((r.batch, r.reserved?)))
+            .collect(),
         held: Some(Held {
             who: format!("your Python kernel (pid {})", python.pid()),
             allocated: held_before,
@@ -418,10 +433,19 @@ fn plan_loss(
 /// What the search and the confirming trial found.
 struct Searched {
     result: search::SearchResult,
-    trial_ms: Vec<(u64, f64)>,
-    trial_steps: Vec<(u64, u32)>,
-    trial_reserved: Vec<(u64, u64)>,
+    /// One per trial of the search, in its order.
+    records: Vec<Record>,
     confirmation: Option<Confirmation>,
+}
+
+/// What one trial measured beside its outcome.
+#[derive(Debug, Clone, Copy)]
+struct Record {
+    batch: u64,
+    ms: f64,
+    steps: u32,
+    /// The cache's peak, for a trial that ran.
+    reserved: Option<u64>,
 }
 
 /// The search over the user's own step, each trial on the live display, then (unless
@@ -435,17 +459,18 @@ fn search_and_confirm(
     trial_limit: Duration,
 ) -> Result<Searched, MagicError> {
     let limit = config.limit;
-    let mut trial_ms = Vec::new();
-    let mut trial_steps = Vec::new();
-    let mut trial_reserved = Vec::new();
+    let mut records = Vec::new();
     let probe = |batch: u64| -> Result<Outcome, Stop> {
         let (reply, outcome, _) =
             shown_trial(session, live, batch, (limit, held_before), trial_limit)?;
-        trial_ms.push((batch, reply.ms));
-        trial_steps.push((batch, reply.steps.unwrap_or(STEPS_PER_TRIAL)));
-        if let (Outcome::Ran { .. }, Some(r)) = (outcome, reply.peak_reserved) {
-            trial_reserved.push((batch, r));
-        }
+        records.push(Record {
+            batch,
+            ms: reply.ms,
+            steps: reply.steps(),
+            reserved: reply
+                .peak_reserved
+                .filter(|_| matches!(outcome, Outcome::Ran { .. })),
+        });
         Ok(outcome)
     };
     let result = match args.search {
@@ -456,12 +481,12 @@ fn search_and_confirm(
         return Err(stop_error(stop));
     }
     // The search's own trials that fitted: each ran as the confirmation would.
-    let fitted: Vec<(u64, f64, u32)> = result
+    let fitted: Vec<Record> = result
         .trials
         .iter()
-        .zip(trial_ms.iter().zip(&trial_steps))
+        .zip(&records)
         .filter(|(t, _)| t.fits)
-        .map(|(_, (&(batch, ms), &(_, steps)))| (batch, ms, steps))
+        .map(|(_, &r)| r)
         .collect();
     let confirmation = match (args.no_confirm, args.search, result.max_fit) {
         (false, SearchKind::Fit, Some(max)) => Some(confirm(
@@ -475,9 +500,7 @@ fn search_and_confirm(
     };
     Ok(Searched {
         result,
-        trial_ms,
-        trial_steps,
-        trial_reserved,
+        records,
         confirmation,
     })
 }
@@ -524,11 +547,11 @@ impl Iterator for Candidates {
 /// put back, the optimizer without state): a batch below one that fits can still fail where
 /// the allocator's fragmentation depends on the exact sizes (a checkpointed GPT on an H200:
 /// 64 failed where 69 to 76 fitted, maxbatch-truth-2026-12-03). A candidate the search itself
-/// ran and saw fit (`fitted`: batch, ms) is not run again: every trial starts from that state.
+/// ran and saw fit (`fitted`) is not run again: every trial starts from that state.
 fn confirm(
     session: &Session,
     live: &Live,
-    (candidates, fitted): (Candidates, &[(u64, f64, u32)]),
+    (candidates, fitted): (Candidates, &[Record]),
     (limit, held_before): (u64, u64),
     trial_limit: Duration,
 ) -> Result<Confirmation, MagicError> {
@@ -540,9 +563,9 @@ fn confirm(
         during_search: false,
     };
     for batch in candidates.take(CONFIRM_TRIES) {
-        if let Some(&(_, ms, steps)) = fitted.iter().find(|(b, ..)| *b == batch) {
-            confirmation.ms += ms;
-            confirmation.steps = steps;
+        if let Some(ran) = fitted.iter().find(|r| r.batch == batch) {
+            confirmation.ms += ran.ms;
+            confirmation.steps = ran.steps;
             confirmation.batch = Some(batch);
             confirmation.during_search = true;
             break;
@@ -550,7 +573,7 @@ fn confirm(
         let (reply, _, fits) = shown_trial(session, live, batch, (limit, held_before), trial_limit)
             .map_err(stop_error)?;
         confirmation.ms += reply.ms;
-        confirmation.steps = reply.steps.unwrap_or(STEPS_PER_TRIAL);
+        confirmation.steps = reply.steps();
         if fits {
             confirmation.batch = Some(batch);
             break;

@@ -553,40 +553,38 @@ mod tests {
         }
     }
 
+    /// A confirmation of 3 steps.
+    fn confirmation(
+        batch: Option<u64>,
+        failed: Vec<u64>,
+        ms: f64,
+        during_search: bool,
+    ) -> Confirmation {
+        Confirmation {
+            batch,
+            failed,
+            steps: 3,
+            ms,
+            during_search,
+        }
+    }
+
     #[test]
     fn a_confirmed_recommendation_is_the_one_shown_and_a_step_down_says_why() {
         let mut f = findings();
-        f.confirmation = Some(Confirmation {
-            batch: Some(1616),
-            failed: vec![],
-            steps: 3,
-            ms: 900.0,
-            during_search: false,
-        });
+        f.confirmation = Some(confirmation(Some(1616), vec![], 900.0, false));
         let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
         assert!(
             text.contains("confirmed: 3 steps at batch 1616 ran"),
             "{text}"
         );
-        f.confirmation = Some(Confirmation {
-            batch: Some(1616),
-            failed: vec![],
-            steps: 3,
-            ms: 900.0,
-            during_search: true,
-        });
+        f.confirmation = Some(confirmation(Some(1616), vec![], 900.0, true));
         let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
         assert!(
             text.contains("at batch 1616 ran from a fresh optimizer, in the search's own trials"),
             "{text}"
         );
-        f.confirmation = Some(Confirmation {
-            batch: Some(1608),
-            failed: vec![1616],
-            steps: 3,
-            ms: 1800.0,
-            during_search: false,
-        });
+        f.confirmation = Some(confirmation(Some(1608), vec![1616], 1800.0, false));
         let data = summary(&f);
         let text = data["text/plain"].as_str().unwrap();
         assert!(text.contains("recommended: 1608"), "{text}");
@@ -596,13 +594,7 @@ mod tests {
         );
         assert!(text.contains("expandable_segments:True"), "{text}");
         assert_eq!(data["application/json"]["recommended"], 1608);
-        f.confirmation = Some(Confirmation {
-            batch: None,
-            failed: vec![1616, 1608, 1600],
-            steps: 3,
-            ms: 2700.0,
-            during_search: false,
-        });
+        f.confirmation = Some(confirmation(None, vec![1616, 1608, 1600], 2700.0, false));
         let data = summary(&f);
         let text = data["text/plain"].as_str().unwrap();
         assert!(text.contains("no recommendation"), "{text}");

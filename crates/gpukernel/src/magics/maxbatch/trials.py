@@ -557,20 +557,29 @@ class Session:
     def on_gpu(self):
         return self.device.type == "cuda"
 
+    def _budget(self):
+        """(free, total, reserved, fraction, limit) on the session's GPU: the limit is what
+        the allocator may hold, free plus reserved, within its memory fraction."""
+        torch, d = self.torch, self.device
+        free, total = torch.cuda.mem_get_info(d)
+        reserved = torch.cuda.memory_reserved(d)
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        fraction = float(getter(d)) if getter is not None else 1.0
+        limit = free + reserved
+        if fraction < 1.0:
+            limit = min(limit, int(total * fraction))
+        return free, total, reserved, fraction, limit
+
+    def _limit(self):
+        """What the allocator may hold (0 off the GPU)."""
+        return self._budget()[4] if self.on_gpu() else 0
+
     def memory(self):
         torch = self.torch
         if not self.on_gpu():
             return {"device": str(self.device)}
         d = self.device
-        free, total = torch.cuda.mem_get_info(d)
-        reserved = torch.cuda.memory_reserved(d)
-        fraction = 1.0
-        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if getter is not None:
-            fraction = float(getter(d))
-        limit = free + reserved
-        if fraction < 1.0:
-            limit = min(limit, int(total * fraction))
+        free, total, reserved, fraction, limit = self._budget()
         stats = torch.cuda.memory_stats(d)
         uuid = getattr(torch.cuda.get_device_properties(d), "uuid", None)
         return {"device": str(d), "name": torch.cuda.get_device_name(d), "total": total,
@@ -603,8 +612,8 @@ class Session:
         view, so that the collection after each trial, and those the step itself triggers,
         scan only what the trials made: a full one costs 170 ms in a notebook with a model on
         an H200 (bench/gpu/cleanup_probe.py), paid after every trial. Frozen whatever was
-        frozen before (ipykernel's Python 3.12 had 375 objects frozen), so `thaw_heap` also
-        gives those back to the collector: freezing only ever saves collection time."""
+        frozen before (Python 3.12 starts with 375 objects frozen of its own), so `thaw_heap`
+        also gives those back to the collector: freezing only ever saves collection time."""
         gc.collect()
         gc.freeze()
         self.froze = True
@@ -664,7 +673,7 @@ class Session:
         and the small batches, where a third of a step is saved for nothing. (Requiring the
         allocator's exact layout instead ended 1 of 86.)"""
         self.steps_ran = 0
-        limit = self.memory().get("limit", 0) if until_steady else 0
+        limit = self._limit() if until_steady else 0
         steps = self.step.steps(batch)
         last = None
         try:
@@ -675,9 +684,9 @@ class Session:
                 if self.steps_ran >= most:
                     break
                 if until_steady:
-                    mark = self._mark()
-                    if (self.steps_ran >= 2 and mark[1] == last[1]
-                            and abs(mark[0] - last[0]) <= STEADY_SLACK * limit
+                    allocated, scales = mark = self._mark()
+                    if (last is not None and scales == last[1]
+                            and abs(allocated - last[0]) <= STEADY_SLACK * limit
                             and self._far_below(limit)):
                         break
                     last = mark
