@@ -366,6 +366,17 @@ def hf_gpt2():  # a model from outside this file: Hugging Face GPT-2 (124M), bui
 def hf_convnext():  # Hugging Face ConvNeXt-T (28M), built from its default config
     from transformers import ConvNextConfig, ConvNextForImageClassification
     return ConvNextForImageClassification(ConvNextConfig(num_labels=1000))
+
+def hf_bert_mlm():  # Hugging Face BERT-base masked LM (110M), from its default config
+    from transformers import BertConfig, BertForMaskedLM
+    return BertForMaskedLM(BertConfig())
+
+def hf_distilbert_cls():  # Hugging Face DistilBERT sequence classifier, 2 labels
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+    return DistilBertForSequenceClassification(DistilBertConfig(num_labels=2))
+
+def sentences(vocab, seq, classes):  # token ids and one label per sequence
+    return lambda b: (torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, classes, (b,), device=dev))
 """
 
 # row: (name, setup code, magic arguments, libtorch too?, lightning?)
@@ -391,6 +402,11 @@ ROWS = {
                           "--step gpt_compiled_step --trial-timeout 300", False),
     "hf_gpt2_fp32": ("make('hf_gpt2_fp32', hf_gpt2, tokens(50257, 512))",
                      "hf_gpt2_fp32 --input 512", False),
+    "hf_bert_mlm_fp32": ("make('hf_bert_mlm_fp32', hf_bert_mlm, tokens(30522, 512))",
+                         "hf_bert_mlm_fp32 --input 512", False),
+    "hf_distilbert_cls_bf16": ("make('hf_distilbert_cls_bf16', hf_distilbert_cls, "
+                               "sentences(30522, 512, 2), torch.bfloat16)",
+                               "hf_distilbert_cls_bf16 --input 512 --amp bf16", False),
     "hf_convnext_bf16": ("make('hf_convnext_bf16', hf_convnext, images(224, 1000), torch.bfloat16)",
                          "hf_convnext_bf16 --input 3x224x224 --amp bf16", False),
 }
