@@ -1,13 +1,17 @@
 //! The search replayed against memory curves measured in users' own training loops on an H200
-//! (`SURVEY=1 bench/gpu/maxbatch_truth.py`, committed under `bench/results/`). Each curve is
-//! the peak allocated and reserved bytes of the notebook's loop at a set of batch sizes, and
-//! its true maximum from an exact bisection of that loop. A replayed trial interpolates the
-//! curve; a batch above the true maximum runs out of memory. The search targets hold
-//! here: every answer within 1.5% below the truth, at most 10 trials, 6 in the median. Its time
-//! target (a third of Lightning's double-then-bisect to the exact maximum) does not: by the
-//! cost model below the search alone costs 0.340 of the baseline's compute on the same curves,
-//! and 0.450 with the trial %maxbatch adds to run its recommendation (unless the search ran
-//! that batch). Both are guarded at their level, not passed off as the target.
+//! (`bench/gpu/maxbatch_truth.py`, committed under `bench/results/`: every `maxbatch-truth-*`
+//! and `maxbatch-survey-*` run that recorded the truth's curve, 94 model runs of 13 models whose
+//! maxima moved between runs). Each curve is the peak allocated and reserved bytes of the
+//! notebook's loop at a set of batch sizes, and its true maximum from an exact bisection of that
+//! loop. A replayed trial interpolates the curve; a batch above the true maximum runs out of
+//! memory. The search targets hold here: every answer within 1.5% below the truth, at
+//! most 10 trials, 6 in the median. Its time target (a third of Lightning's double-then-bisect to
+//! the exact maximum) does not: by the cost model below the search alone costs 0.370 of the
+//! baseline's compute on the same curves, and 0.481 with the trial %maxbatch adds to run its
+//! recommendation (unless the search ran that batch). Both are guarded at their level, not
+//! passed off as the target. (On the 18 survey curves alone they were 0.340 and 0.450; biasing
+//! the closing bisection towards the top, where a failure is cheaper than a fit, moved them by
+//! under 0.01 either way, 2026-12-04.)
 //!
 //! Cost model, in sample-steps, from the trials measured on the H200 (maxbatch-truth-2026-12-04c):
 //! a trial that fits runs 3 steps of `batch` samples, or 2 where its cache peaked at most 0.9
@@ -16,7 +20,7 @@
 //! often, the failing step counted half). It leaves out each step's fixed cost (the optimizer
 //! step, launches), which makes small trials dearer than their samples on the GPU: measured
 //! there, `seconds` vs `baseline_seconds` in maxbatch-truth-*.json, the ratio is higher still.
-//! (With the older model, 3 steps for every fit and 1 for every failure, the figures were
+//! (With the older model, 3 steps for every fit and 1 for every failure, the survey curves gave
 //! 0.331 and 0.445.)
 
 use gpuprobe::search::{
@@ -58,7 +62,8 @@ fn surveys() -> Vec<(PathBuf, Survey)> {
     for entry in std::fs::read_dir(&dir).expect("bench/results") {
         let path = entry.expect("a directory entry").path();
         let name = path.file_name().unwrap_or_default().to_string_lossy();
-        if name.starts_with("maxbatch-survey-") && name.ends_with(".json") {
+        let measured = name.starts_with("maxbatch-survey-") || name.starts_with("maxbatch-truth-");
+        if measured && name.ends_with(".json") {
             let text = std::fs::read_to_string(&path).expect("a survey file");
             found.push((path, serde_json::from_str(&text).expect("a survey")));
         }
@@ -130,15 +135,20 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
     let surveys = surveys();
     assert!(
         !surveys.is_empty(),
-        "no maxbatch-survey-*.json in bench/results"
+        "no maxbatch-survey-*.json or maxbatch-truth-*.json in bench/results"
     );
     let mut counts = Vec::new();
     let mut confirmed_counts = Vec::new();
+    let mut wrong = Vec::new();
     // (the search's, the search's and its confirming trial's, the baseline's)
     let mut costs = (0.0, 0.0, 0.0);
     for (path, survey) in &surveys {
         let limit = (survey.cap_gib * (1u64 << 30) as f64) as u64;
-        for row in survey.rows.iter().filter(|r| r.engine == "python") {
+        for row in survey
+            .rows
+            .iter()
+            .filter(|r| r.engine == "python" && r.curve.len() >= 3)
+        {
             let mut points: Vec<(u64, u64, u64)> = row
                 .curve
                 .iter()
@@ -193,16 +203,18 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
                 ours / cost(&baseline, limit),
                 baseline.trials.len(),
             );
-            assert!(
-                found <= truth && found as f64 >= truth as f64 / 1.015,
-                "{what}"
-            );
-            assert!(result.trials.len() <= 10, "{what}");
+            if !(found <= truth && found as f64 >= truth as f64 / 1.015) {
+                wrong.push(format!("outside the tolerance: {what}"));
+            }
+            if result.trials.len() > 10 {
+                wrong.push(format!("more than 10 trials: {what}"));
+            }
             eprintln!("{what}");
             counts.push(result.trials.len());
             confirmed_counts.push(result.trials.len() + usize::from(confirm.is_some()));
         }
     }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     counts.sort_unstable();
     confirmed_counts.sort_unstable();
     let median = counts[counts.len() / 2];
@@ -216,11 +228,11 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
     // The third is not met, by the search alone or with the confirming trial (a trial
     // near the maximum): guards against regressions at the levels measured, not the target.
     assert!(
-        search_only <= 0.345,
+        search_only <= 0.375,
         "cost {search_only:.3} of the baseline's"
     );
     assert!(
-        confirmed <= 0.455,
+        confirmed <= 0.485,
         "cost with the confirming trial {confirmed:.3}"
     );
 }
