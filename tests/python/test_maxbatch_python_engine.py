@@ -115,6 +115,25 @@ def catches_its_own_oom(batch):
     except torch.cuda.OutOfMemoryError:
         pass
 
+class TwoInputs(torch.nn.Module):  # a forward that needs a mask as well
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 2)
+    def forward(self, x, mask):
+        return self.lin(x * mask)
+
+frozen = torch.nn.Linear(8, 2).requires_grad_(False)
+with torch.device("meta"):
+    on_meta = torch.nn.Linear(8, 2)
+two_inputs = TwoInputs()
+n_layers = 12
+
+def overstepped_schedule(batch):  # the user's line that makes torch raise
+    one = torch.optim.lr_scheduler.OneCycleLR(
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), max_lr=0.1, total_steps=1)
+    for _ in range(2):
+        one.step()
+
 opt2 = torch.optim.SGD(lm.parameters(), lr=0.1)
 not_a_module = {"a": 1}
 names_before = sorted(k for k in get_ipython().user_ns if not k.startswith("_"))
@@ -151,7 +170,35 @@ def test_a_module_step_is_checked_and_the_state_survives_it(notebook):
     assert "one step of batch 2 ran on the cpu" in text, text
     # The vocabulary came from the model's Embedding, the loss from the output's shape.
     assert "loss cross-entropy over the last dimension (50 classes)" in text, text
-    assert "your state is as it was" in text, text
+    assert "your model, its optimizer and the random generators are as they were" in text, text
+    # What the trial assumed, as the report on a GPU says it.
+    assert "optimizer the notebook's opt (AdamW)" in text, text
+    assert "input 8 per sample, token ids < 50 (from the model's Embedding)" in text, text
+    assert_untouched(kc)
+
+
+def test_json_without_a_gpu_is_the_cells_value_with_no_batch_size(notebook):
+    _, kc = notebook
+    reply, outputs = execute(kc, "%maxbatch lm --input 8 --optimizer-from opt --amp bf16 --json",
+                             timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    values = [o["content"]["data"]["application/json"] for o in outputs
+              if o["msg_type"] == "execute_result"]
+    assert len(values) == 1, outputs
+    v = values[0]
+    assert v["max_batch"] is None and v["recommended"] is None and v["gpu"] is False, v
+    assert v["checked"] == "one step of batch 2 ran on the cpu", v
+    assert v["assumptions"]["precision"].startswith("bf16 autocast"), v
+    assert v["assumptions"]["optimizer"] == "the notebook's opt (AdamW)", v
+    assert_untouched(kc)
+
+
+def test_a_step_functions_report_says_what_is_not_put_back(notebook):
+    _, kc = notebook
+    reply, outputs = execute(kc, "%maxbatch --step lm_step", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert "such as a counter or an iterator it draws from, is not put back" in \
+        stream_text(outputs), stream_text(outputs)
     assert_untouched(kc)
 
 
@@ -238,6 +285,17 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
     ("%maxbatch seg --input 3x8x8 --target-classes 7", "matches no dimension of the output"),
     ("%maxbatch lm --input 3x8 --optimizer-from opt", "check --input"),
     ("%maxbatch --step 'f()'", "is not a name"),
+    ("%maxbatch --step n_layers", "n_layers is an int, not a function"),
+    # Models the standard step cannot drive: said before any trial, with what to do.
+    ("%maxbatch two_inputs --input 8", "two_inputs.forward needs 2 arguments (x, mask), while "
+                                       "%maxbatch MODULE calls it with one tensor of --input: "
+                                       "write a function FN(batch_size)"),
+    ("%maxbatch frozen --input 8", "frozen has no trainable parameters"),
+    ("%maxbatch on_meta --input 8", "on_meta is on the meta device"),
+    ("%maxbatch regress --input 5", "check --input (the shape of one sample; --vocab N for "
+                                      "token ids), or if it takes more than one input"),
+    # Where the user's line is, not torch's frame that raised.
+    ("%maxbatch --step overstepped_schedule", "in overstepped_schedule"),
 ])
 def test_bad_requests_name_the_problem_and_change_nothing(notebook, cell, expected):
     _, kc = notebook
@@ -288,6 +346,35 @@ def test_state_the_trial_created_is_dropped_and_state_it_changed_restored(trials
     assert call(trials, ns, "close")["closed"] is True
     assert len(fresh.state) == 0, "the trials' Adam state is gone"
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+
+def test_a_buffer_the_forward_replaces_is_put_back_as_it_was(trials):
+    """An EMA written as `self.ema = 0.9 * self.ema + ...` replaces the registered buffer's
+    tensor object in its module: the original, with its values, goes back in its place."""
+    import torch
+
+    class Ema(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("ema", torch.zeros(4))
+        def forward(self, x):
+            h = self.lin(x)
+            self.ema = 0.9 * self.ema + 0.1 * h.detach().mean(0)
+            return h
+
+    model = Ema()
+    original = model.ema
+    ns = {"model": model}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4],
+                                              "optimizer": "sgd"})
+    assert "refused" not in reply, reply
+    call(trials, ns, "set_loss", plan={"kind": "mse"})
+    assert call(trials, ns, "trial", batch=3, steps=2)["result"] == "ran"
+    assert model.ema is original and model._buffers["ema"] is original
+    assert torch.equal(original, torch.zeros(4))
+    call(trials, ns, "close")
+    assert model.ema is original and torch.equal(model.ema, torch.zeros(4))
 
 
 def test_a_step_function_reaches_state_through_closures_partials_and_objects(trials):

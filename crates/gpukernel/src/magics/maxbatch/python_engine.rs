@@ -319,7 +319,13 @@ pub(super) fn run(
     let assumptions = assumptions(args, &spec, &prepared, loss.as_ref());
     let trial_limit = Duration::from_secs_f64(args.trial_timeout);
     if !prepared.describe.cuda || !prepared.memory.device.starts_with("cuda") {
-        return validate_without_gpu(&mut session, &prepared, &assumptions, trial_limit);
+        let check = CpuCheck {
+            prepared: &prepared,
+            assumptions: &assumptions,
+            step_fn: spec.kind == "step",
+            json: args.json,
+        };
+        return validate_without_gpu(&mut session, &check, trial_limit);
     }
     let (memory, card) = match args.limit {
         Some(card) => cap(&session, python.pid(), &prepared.memory, card)?,
@@ -380,7 +386,7 @@ pub(super) fn run(
     if args.throughput {
         findings.throughput = Some(throughput(&session, &live, &findings, trial_limit)?);
     }
-    findings.after = close_line(&mut session);
+    findings.after = close_line(&mut session, spec.kind == "step");
     findings.timings = Some(session.timings.borrow().clone());
     findings.elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
     ctx.out.emit(Output::value_or_display(
@@ -390,11 +396,24 @@ pub(super) fn run(
     Ok(())
 }
 
+/// What the trials leave as it was: the state `trials.py` snapshots, and for a step function
+/// a word on what it cannot (plain Python objects the step changes).
+fn state_back(step_fn: bool) -> &'static str {
+    if step_fn {
+        "your tensors, optimizers, schedulers, scalers and random generators are as they \
+         were (what your step changes besides, such as a counter or an iterator it draws \
+         from, is not put back)"
+    } else {
+        "your model, its optimizer and the random generators are as they were"
+    }
+}
+
 /// Closes the session; the report's line on what the user's kernel holds afterwards.
-fn close_line(session: &mut Session) -> String {
+fn close_line(session: &mut Session, step_fn: bool) -> String {
     match session.close().and_then(|c| c.memory.as_ref()) {
         Some(m) => format!(
-            "afterwards: your state is as it was; your Python kernel holds {} allocated, {} reserved",
+            "afterwards: {}; your Python kernel holds {} allocated, {} reserved",
+            state_back(step_fn),
             human_bytes(m.allocated.unwrap_or(0)),
             human_bytes(m.reserved.unwrap_or(0))
         ),
@@ -770,10 +789,18 @@ fn throughput(
 }
 
 /// No GPU in the Python kernel: one small trial checks the step and the state's return.
+/// What the check without a GPU reports, and how.
+struct CpuCheck<'a> {
+    prepared: &'a Prepared,
+    assumptions: &'a Assumptions,
+    step_fn: bool,
+    /// `--json`: the cell's value (no batch size in it), else printed as text.
+    json: bool,
+}
+
 fn validate_without_gpu(
     session: &mut Session,
-    prepared: &Prepared,
-    assumptions: &Assumptions,
+    check: &CpuCheck,
     limit: Duration,
 ) -> Result<(), MagicError> {
     let reply: TrialReply = session
@@ -789,6 +816,7 @@ fn validate_without_gpu(
             ),
             other => other.into_magic(),
         })?;
+    let prepared = check.prepared;
     let said = match reply.result {
         TrialResult::Ran => format!("one step of batch 2 ran on the {}", prepared.memory.device),
         TrialResult::OutOfMemory => "the step ran out of memory at batch 2".to_string(),
@@ -804,18 +832,26 @@ fn validate_without_gpu(
         }
     };
     session.close();
-    session.ctx.stdout(format!(
+    let a = check.assumptions;
+    let text = format!(
         "No CUDA GPU is visible to torch in your Python kernel ({}), so there is no GPU memory \
-         to size against.\nChecked the step instead: {said}; your state is as it was.\n\
-         Assumed: {}{}.\nRun %maxbatch where the notebook has a GPU for the search.\n",
+         to size against.\nChecked the step instead: {said}; {}.\n{}\
+         Run %maxbatch where the notebook has a GPU for the search.\n",
         prepared.describe.torch,
-        assumptions.step,
-        assumptions
-            .loss
-            .as_ref()
-            .map(|l| format!(", loss {l}"))
-            .unwrap_or_default()
-    ));
+        state_back(check.step_fn),
+        super::report::assumption_lines(a),
+    );
+    if !check.json {
+        session.ctx.stdout(text);
+        return Ok(());
+    }
+    let value = json!({
+        "max_batch": null, "recommended": null, "gpu": false, "torch": prepared.describe.torch,
+        "checked": said, "engine": a.engine, "assumptions": a,
+    });
+    let mut data = crate::magics::bundle(text, None);
+    data.insert("application/json".into(), value);
+    session.ctx.out.emit(Output::value_or_display(data, true));
     Ok(())
 }
 

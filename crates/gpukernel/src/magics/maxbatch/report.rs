@@ -341,21 +341,7 @@ pub(super) fn summary(f: &Findings) -> Bundle {
             human_bytes(per.max(0.0) as u64)
         ));
     }
-    let a = &f.assumptions;
-    let engine = match a.engine {
-        EngineKind::Python => "python (your Python kernel, eager)",
-        EngineKind::Libtorch => "libtorch (in gpukernel)",
-    };
-    text.push_str(&format!("  engine: {engine}; step: {}\n", a.step));
-    let mut assumed = vec![format!("precision {}", a.precision)];
-    if let Some(loss) = &a.loss {
-        assumed.push(format!("loss {loss}"));
-    }
-    assumed.push(format!("optimizer {}", a.optimizer));
-    if let Some(input) = &a.input {
-        assumed.push(format!("input {input}"));
-    }
-    text.push_str(&format!("  assumed: {}\n", assumed.join("; ")));
+    text.push_str(&assumption_lines(&f.assumptions));
     if let Some(h) = &f.held {
         text.push_str(&format!(
             "  {} held {} allocated ({} reserved) when the search began, counted in every trial\n",
@@ -378,7 +364,7 @@ pub(super) fn summary(f: &Findings) -> Bundle {
         "device_total_bytes": f.device_total,
         "card_bytes": f.card.map(|c| c.bytes), "context_bytes": f.card.and_then(|c| c.context),
         "fit": {"fixed_bytes": search.fit.map(|x| x.0), "bytes_per_sample": search.fit.map(|x| x.1)},
-        "engine": a.engine, "assumptions": a, "held": f.held,
+        "engine": f.assumptions.engine, "assumptions": f.assumptions, "held": f.held,
         "throughput": f.throughput.as_ref().map(|t| json!({"points": t.points, "fastest": t.best})),
         "trials": search.trials, "stopped": search.stopped, "trial_ms": f.trial_ms, "trial_steps": f.trial_steps,
         "trial_reserved": f.trial_reserved, "elapsed_ms": f.elapsed_ms, "notes": f.notes,
@@ -386,6 +372,28 @@ pub(super) fn summary(f: &Findings) -> Bundle {
     });
     data.insert("application/json".into(), value);
     data
+}
+
+/// The report's lines on the engine, the step and what the trials assumed (precision, loss,
+/// optimizer, input), each indented and ending in a newline.
+pub(super) fn assumption_lines(a: &Assumptions) -> String {
+    let engine = match a.engine {
+        EngineKind::Python => "python (your Python kernel, eager)",
+        EngineKind::Libtorch => "libtorch (in gpukernel)",
+    };
+    let mut assumed = vec![format!("precision {}", a.precision)];
+    if let Some(loss) = &a.loss {
+        assumed.push(format!("loss {loss}"));
+    }
+    assumed.push(format!("optimizer {}", a.optimizer));
+    if let Some(input) = &a.input {
+        assumed.push(format!("input {input}"));
+    }
+    format!(
+        "  engine: {engine}; step: {}\n  assumed: {}\n",
+        a.step,
+        assumed.join("; ")
+    )
 }
 
 /// What running the recommendation showed.
@@ -544,7 +552,9 @@ mod tests {
                 allocated: 1 << 30,
                 reserved: 2 << 30,
             }),
-            after: "your state is as it was".into(),
+            after:
+                "afterwards: your model, its optimizer and the random generators are as they were"
+                    .into(),
             notes: vec![],
             margin_percent: 5.0,
             throughput: None,

@@ -39,9 +39,19 @@ import time
 STEADY_HEADROOM = 0.9
 STEADY_SLACK = 0.001
 
+# What to do with a model that a single input tensor cannot drive.
+STEP_HINT = ("write a function FN(batch_size) that runs one training step of yours (inputs, "
+             "loss, backward, optimizer step) and run %maxbatch --step FN")
+
 
 class MaxBatchError(Exception):
     """A problem with what the user asked for, said in a way they can act on."""
+
+
+def _a(obj):
+    """'a list', 'an int': the article and the name of an object's type."""
+    name = type(obj).__name__
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
 
 
 def _torch():
@@ -92,14 +102,15 @@ class Snapshot:
 
     def __init__(self, torch, modules, optimizers, scalers, schedulers):
         self.torch = torch
+        # A tensor on the meta device holds no data a trial could change (and none to copy).
         params, buffers, seen = [], [], set()
         for module in modules:
             for p in module.parameters():
-                if id(p) not in seen:
+                if id(p) not in seen and not p.is_meta:
                     seen.add(id(p))
                     params.append(p)
             for b in module.buffers():
-                if id(b) not in seen:
+                if id(b) not in seen and not b.is_meta:
                     seen.add(id(b))
                     buffers.append(b)
         for opt in optimizers:  # parameters an optimizer holds outside any module found
@@ -110,6 +121,12 @@ class Snapshot:
                         params.append(p)
         self.params = [(p, _host(p), None if p.grad is None else _host(p.grad)) for p in params]
         self.buffers = [(b, _host(b)) for b in buffers]
+        # Where each sits: a forward that assigns a registered buffer (`self.ema = 0.9 *
+        # self.ema + ...`, an EMA) or parameter replaces the tensor object in its module, so
+        # the original is put back there as well as its values.
+        self.slots = [(m, kind, name, t) for module in modules for m in module.modules()
+                      for kind in ("_parameters", "_buffers")
+                      for name, t in getattr(m, kind, {}).items() if t is not None]
         self.flags = [(m, m.training) for module in modules for m in module.modules()]
         self.optimizers = [(opt, self._optimizer_state(opt)) for opt in optimizers]
         self.scalers = [(s, s.state_dict()) for s in scalers]
@@ -166,6 +183,10 @@ class Snapshot:
                     p.grad = _put(p.grad, grad, p.device)
             for b, value in self.buffers:
                 b.copy_(value, non_blocking=True)
+        for m, kind, name, t in self.slots:
+            held = getattr(m, kind)
+            if held.get(name) is not t:
+                held[name] = t
         for m, training in self.flags:
             m.training = training
         for opt, (state, groups) in self.optimizers:
@@ -315,7 +336,7 @@ def _select_output(torch, out):
         for i, v in enumerate(out):
             if torch.is_tensor(v) and v.is_floating_point():
                 return v, f"output[{i}]"
-    raise MaxBatchError(f"the model returned a {type(out).__name__} with no floating-point "
+    raise MaxBatchError(f"the model returned {_a(out)} with no floating-point "
                         "tensor to compute a loss on; use --step FN with your own step")
 
 
@@ -327,9 +348,13 @@ class ModuleStep:
         self.name = spec["target"]
         model = _lookup(user_ns, self.name)
         if not isinstance(model, torch.nn.Module):
-            raise MaxBatchError(f"{self.name} is a {type(model).__name__}, not a torch.nn.Module "
+            raise MaxBatchError(f"{self.name} is {_a(model)}, not a torch.nn.Module "
                                 "(for a function that runs your own step, use --step)")
         self.model = model
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            raise MaxBatchError(f"{self.name} is on the meta device (its weights are not "
+                                "allocated): materialize it first, e.g. "
+                                f"{self.name}.to_empty(device='cuda') and load its weights")
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
         floats = [p for p in model.parameters() if p.is_floating_point()]
@@ -350,12 +375,35 @@ class ModuleStep:
                           and next(m.parameters(False), None) is not None), None)
             if isinstance(first, torch.nn.Embedding):
                 self.vocab, self.vocab_from = first.num_embeddings, type(first).__name__
+        if not self.inference and not any(p.requires_grad for p in model.parameters()):
+            raise MaxBatchError(f"{self.name} has no trainable parameters (none with "
+                                "requires_grad), so a training step has nothing to train: "
+                                "unfreeze what you train, or size a forward pass with "
+                                "--inference")
+        self._check_inputs()
         self.loss_plan = None
         self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
             user_ns, spec, found)
         self.scaler = None
         if self.amp is torch.float16 and not self.inference:
             self.scaler = torch.amp.GradScaler(self.device.type)
+
+    def _check_inputs(self):
+        """The standard step calls `model(x)` with one tensor: a forward that needs more (a
+        mask, decoder inputs) is sent to --step before any trial runs."""
+        import inspect
+        try:
+            signature = inspect.signature(self.model.forward)
+        except (TypeError, ValueError):  # a builtin or C++ forward: nothing to read
+            return
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        needed = [p.name for p in signature.parameters.values()
+                  if p.default is inspect.Parameter.empty
+                  and (p.kind in positional or p.kind is inspect.Parameter.KEYWORD_ONLY)]
+        if len(needed) > 1:
+            raise MaxBatchError(f"{self.name}.forward needs {len(needed)} arguments "
+                                f"({', '.join(needed)}), while %maxbatch MODULE calls it with one "
+                                f"tensor of --input: {STEP_HINT}")
 
     def _optimizer(self, user_ns, spec, found):
         torch = self.torch
@@ -366,8 +414,7 @@ class ModuleStep:
         if name:
             opt = _lookup(user_ns, name)
             if not isinstance(opt, torch.optim.Optimizer):
-                raise MaxBatchError(f"{name} is a {type(opt).__name__}, not a "
-                                    "torch.optim.Optimizer")
+                raise MaxBatchError(f"{name} is {_a(opt)}, not a torch.optim.Optimizer")
             if not any(id(p) in params for g in opt.param_groups for p in g["params"]):
                 raise MaxBatchError(f"{name} optimizes none of {self.name}'s parameters")
             return opt, f"the notebook's {name} ({type(opt).__name__})", False
@@ -410,10 +457,12 @@ class ModuleStep:
                 out = self.model(x)
         except Exception as err:
             what = "token ids" if self.vocab else str(self.dtype).replace("torch.", "")
+            check = ("--input (the shape of one sample) and --vocab" if self.vocab else
+                     "--input (the shape of one sample; --vocab N for token ids)")
             raise MaxBatchError(
                 f"{self.name}(x) failed for x of shape {tuple(x.shape)} ({what}): "
                 f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}; "
-                "check --input (the shape of one sample) and --vocab") from None
+                f"check {check}, or if it takes more than one input: {STEP_HINT}") from None
         tensor, where = _select_output(torch, out)
         return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
                 "selected": where}
@@ -494,7 +543,7 @@ class FunctionStep:
         self.name = spec["target"]
         fn = _lookup(user_ns, self.name)
         if not callable(fn) or isinstance(fn, torch.nn.Module):
-            raise MaxBatchError(f"--step {self.name}: {self.name} is a {type(fn).__name__}, not a "
+            raise MaxBatchError(f"--step {self.name}: {self.name} is {_a(fn)}, not a "
                                 "function; pass a function FN(batch_size) that runs one full "
                                 "training step")
         self.fn = fn
@@ -777,13 +826,27 @@ def _release_escaped(module_globals):
             setattr(sys, name, None)
 
 
+def _is_library(filename):
+    """Whether a frame's file belongs to an installed package (torch, transformers, ...) or
+    Python itself, rather than to the user's notebook or their own modules."""
+    import sysconfig
+    roots = {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return ("site-packages" in filename or "dist-packages" in filename
+            or any(r and filename.startswith(r) for r in roots))
+
+
 def _where(err):
-    """The innermost frame of the user's code in a traceback, as 'file:line in function'."""
-    tb, last = err.__traceback__, None
+    """The innermost frame of the user's code in a traceback, as 'file:line in function': the
+    line of theirs that called into torch, not torch's own (a library's innermost frame
+    when the user's code is not on the stack at all)."""
+    tb, last, last_own = err.__traceback__, None, None
     while tb is not None:
         if tb.tb_frame.f_globals is not globals():
             last = tb
+            if not _is_library(tb.tb_frame.f_code.co_filename):
+                last_own = tb
         tb = tb.tb_next
+    last = last_own or last
     if last is None:
         return None
     code = last.tb_frame.f_code
