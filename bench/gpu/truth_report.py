@@ -33,7 +33,12 @@ def main(path):
           "Lightning's binsearch with its defaults on the same loop, `garbage_collection_cuda()` "
           "(gc.collect, empty_cache) before every trial and after an OOM, trials going on from "
           "the last one's weights and optimizer state, the model and optimizer saved to host "
-          "memory before and loaded after (Lightning writes a checkpoint file).\n")
+          "memory before and loaded after (Lightning writes a checkpoint file)"
+          + (", in a kernel of its own started for it, warmed by one step at batch 2 as ours "
+             "was (in ours every shape the searches tried is already set up)"
+             if d.get("lp_kernel") == "fresh" else
+             ", in the same kernel after ours and the baseline (the shapes they tried set up "
+             "already)") + ".\n")
     if "interrupt" in d:
         print(f"Interrupt in the middle of a search: {json.dumps(d['interrupt'])}\n")
     cols = ["model", "engine", "max", "rec", "true", "max/true", "ok@rec", "ok@max", "trials",
