@@ -348,6 +348,20 @@ def test_state_the_trial_created_is_dropped_and_state_it_changed_restored(trials
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
 
 
+def test_the_loss_is_computed_on_the_first_tensor_that_is_not_a_scalar(trials):
+    """A model returning `(aux_loss, logits)` (or a loss first in a dict) is sized on its
+    logits, not on the scalar in front of them."""
+    import torch
+
+    logits, aux = torch.randn(2, 5), torch.tensor(0.3)
+    assert trials._select_output(torch, (aux, logits)) == (logits, "output[1]")
+    picked, where = trials._select_output(torch, {"loss": aux, "scores": logits})
+    assert picked is logits and where == "output['scores']"
+    assert trials._select_output(torch, [aux]) == (aux, "output[0]")  # nothing else to take
+    with pytest.raises(trials.MaxBatchError, match="returned a tuple with no floating-point"):
+        trials._select_output(torch, (torch.tensor([1, 2]),))
+
+
 def test_a_buffer_the_forward_replaces_is_put_back_as_it_was(trials):
     """An EMA written as `self.ema = 0.9 * self.ema + ...` replaces the registered buffer's
     tensor object in its module: the original, with its values, goes back in its place."""

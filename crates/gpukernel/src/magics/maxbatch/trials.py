@@ -320,7 +320,8 @@ def _function_refs(fn):
 
 def _select_output(torch, out):
     """The tensor a loss is computed on: the output itself, `.logits` / ['logits'], or the
-    first tensor of a tuple. Returns (tensor, how it was found)."""
+    first floating-point tensor of a tuple or dict that is not a scalar (a model that returns
+    `(aux_loss, logits)` puts a loss first). Returns (tensor, how it was found)."""
     if torch.is_tensor(out):
         return out, "output"
     logits = getattr(out, "logits", None)
@@ -329,13 +330,14 @@ def _select_output(torch, out):
     if isinstance(out, dict):
         if torch.is_tensor(out.get("logits")):
             return out["logits"], "output['logits']"
-        for k, v in out.items():
-            if torch.is_tensor(v) and v.is_floating_point():
-                return v, f"output[{k!r}]"
-    if isinstance(out, (tuple, list)):
-        for i, v in enumerate(out):
-            if torch.is_tensor(v) and v.is_floating_point():
-                return v, f"output[{i}]"
+        items = [(f"output[{k!r}]", v) for k, v in out.items()]
+    elif isinstance(out, (tuple, list)):
+        items = [(f"output[{i}]", v) for i, v in enumerate(out)]
+    else:
+        items = []
+    floats = [(where, v) for where, v in items if torch.is_tensor(v) and v.is_floating_point()]
+    for where, v in sorted(floats, key=lambda f: f[1].dim() == 0):  # stable: scalars last
+        return v, where
     raise MaxBatchError(f"the model returned {_a(out)} with no floating-point "
                         "tensor to compute a loss on; use --step FN with your own step")
 
