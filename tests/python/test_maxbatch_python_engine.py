@@ -173,6 +173,7 @@ def test_a_module_step_is_checked_and_the_state_survives_it(notebook):
     assert "your model, its optimizer and the random generators are as they were" in text, text
     # What the trial assumed, as the report on a GPU says it.
     assert "optimizer the notebook's opt (AdamW)" in text, text
+    assert "precision float32;" in text, text  # the weights', not the token ids' int64
     assert "input 8 per sample, token ids < 50 (from the model's Embedding)" in text, text
     assert_untouched(kc)
 

@@ -73,6 +73,9 @@ struct Described {
     vocab_from: Option<String>,
     #[serde(default)]
     input_dtype: Option<String>,
+    /// The dtype of the module's floating-point weights: the step's precision without autocast.
+    #[serde(default)]
+    weights_dtype: Option<String>,
     #[serde(default)]
     grad_scaler: bool,
     /// Optimizers that had not stepped yet: the first trial creates their state.
@@ -891,9 +894,11 @@ fn assumptions(
         };
         let precision = match args.amp {
             Some(amp) => format!("{} autocast over your weights' dtype", amp.name()),
+            // Token ids are the input's dtype, not the step's: the weights' says how it computes.
             None => d
-                .input_dtype
+                .weights_dtype
                 .clone()
+                .or_else(|| d.input_dtype.clone())
                 .unwrap_or_else(|| "your model's dtype".into()),
         };
         let shape = spec

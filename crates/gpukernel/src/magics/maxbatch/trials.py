@@ -532,6 +532,7 @@ class ModuleStep:
     def describe(self):
         return {"optimizer": self.optimizer_name,
                 "vocab": self.vocab, "vocab_from": self.vocab_from,
+                "weights_dtype": str(self.dtype).replace("torch.", ""),
                 "input_dtype": "int64 token ids" if self.vocab else
                 str(self.dtype).replace("torch.", ""),
                 "parameters": sum(p.numel() for p in self.model.parameters()),
