@@ -122,6 +122,7 @@ class TwoInputs(torch.nn.Module):  # a forward that needs a mask as well
     def forward(self, x, mask):
         return self.lin(x * mask)
 
+tagger = torch.nn.Conv1d(3, 5, 1)  # [batch, 5 classes, length]
 frozen = torch.nn.Linear(8, 2).requires_grad_(False)
 with torch.device("meta"):
     on_meta = torch.nn.Linear(8, 2)
@@ -209,6 +210,11 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
     ("%maxbatch regress --input 8 --loss mean", "the output's mean"),
     # --target-classes picks the dimension: of [2, 5, 8, 8], the last one holds 8.
     ("%maxbatch seg --input 3x8x8 --target-classes 8", "the last dimension (8 classes)"),
+    # [2, 5, 100] read as 5 positions of 100 classes; the other reading is one flag away.
+    ("%maxbatch tagger --input 3x100", "the last dimension (100 classes) (if dimension 1 holds "
+                                       "the classes ([batch, classes, length], as a 1-d "
+                                       "convolution gives), say --target-classes 5)"),
+    ("%maxbatch tagger --input 3x100 --target-classes 5", "cross-entropy over dimension 1 (5"),
 ])
 def test_the_loss_is_inferred_from_the_output_and_stated(notebook, cell, loss):
     _, kc = notebook

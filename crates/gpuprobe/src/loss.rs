@@ -131,6 +131,19 @@ pub fn plan(
     }
 }
 
+/// What to say when [`plan`] had to choose between two readings of the output on its own (no
+/// `--loss`, `--target-classes` or vocabulary to go by): a `[batch, x, y]` output is taken as
+/// `x` positions of `y` classes, a sequence model's; a 1-d convolution gives `[batch, classes,
+/// length]` instead.
+pub fn alternative(shape: &[i64], plan: &LossPlan, vocab: Option<i64>) -> Option<String> {
+    match (shape, plan) {
+        ([_, x, y], LossPlan::Ce { class_dim: -1, .. }) if vocab != Some(*y) && *x > 1 => Some(
+            format!("if dimension 1 holds the classes ([batch, classes, length], as a 1-d convolution gives), say --target-classes {x}"),
+        ),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,6 +192,21 @@ mod tests {
         ));
         let err = plan(&[2, 1], Some(LossKind::Ce), None, None).unwrap_err();
         assert!(err.to_string().contains("--loss mse"), "{err}");
+    }
+
+    #[test]
+    fn a_guess_between_two_readings_says_how_to_take_the_other() {
+        let conv1d = [2, 5, 100];
+        let guessed = plan(&conv1d, None, None, None).unwrap();
+        let hint = alternative(&conv1d, &guessed, None).unwrap();
+        assert!(hint.contains("--target-classes 5"), "{hint}");
+        // Token ids into a vocabulary the output ends in: a language model, no guess.
+        let lm = [2, 512, 32000];
+        let planned = plan(&lm, None, None, Some(32000)).unwrap();
+        assert_eq!(alternative(&lm, &planned, Some(32000)), None);
+        // Dimension 1 taken, or no classes at all: nothing to add.
+        assert_eq!(alternative(&[2, 5, 64, 64], &ce(5, 1), None), None);
+        assert_eq!(alternative(&[2, 1000], &ce(1000, -1), None), None);
     }
 
     #[test]

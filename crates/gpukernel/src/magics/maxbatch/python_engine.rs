@@ -925,7 +925,19 @@ fn assumptions(
     Assumptions {
         engine: EngineKind::Python,
         step,
-        loss: loss.map(|l| l.to_string()),
+        loss: loss.map(|plan| {
+            // Inferred from the output alone: where another reading was as likely, how to ask.
+            let guessed = args.loss.is_none() && args.target_classes.is_none();
+            let hint = prepared
+                .output
+                .as_ref()
+                .filter(|_| guessed)
+                .and_then(|o| loss::alternative(&o.shape, plan, d.vocab.or(args.vocab)));
+            match hint {
+                Some(hint) => format!("{plan} ({hint})"),
+                None => plan.to_string(),
+            }
+        }),
         precision,
         optimizer: d.optimizer.clone(),
         input,
