@@ -585,6 +585,8 @@ def main() -> int:
                 row["steps_ok_at_recommended"] = value(kc, f"steps_ok({key!r}, {ours['recommended']})")
             if ours.get("max_batch") and os.environ.get("AT_MAX"):  # 30 steps at the max too
                 row["steps_ok_at_max"] = value(kc, f"steps_ok({key!r}, {ours['max_batch']})")
+            if truth["true_max"] and os.environ.get("AT_TRUE"):  # and at the truth's maximum
+                row["steps_ok_at_true_max"] = value(kc, f"steps_ok({key!r}, {truth['true_max']})")
             if ours.get("max_batch") and truth["true_max"]:
                 row["ratio"] = ours["max_batch"] / truth["true_max"]  # and below holes: truth_report
             print(f"   row {json.dumps({k: v for k, v in row.items() if k != 'trial_list'})}",
