@@ -293,6 +293,7 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
     ("%maxbatch lm --input 3x8 --optimizer-from opt", "check --input"),
     ("%maxbatch --step 'f()'", "is not a name"),
     ("%maxbatch --step n_layers", "n_layers is an int, not a function"),
+    ("%maxbatch torch --input 8", "torch is a Python module, not a torch.nn.Module"),
     # Models the standard step cannot drive: said before any trial, with what to do.
     ("%maxbatch two_inputs --input 8", "two_inputs.forward needs 2 arguments (x, mask), while "
                                        "%maxbatch MODULE calls it with one tensor of --input: "

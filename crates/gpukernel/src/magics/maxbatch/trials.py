@@ -50,7 +50,7 @@ class MaxBatchError(Exception):
 
 def _a(obj):
     """'a list', 'an int': the article and the name of an object's type."""
-    name = type(obj).__name__
+    name = "Python module" if isinstance(obj, type(sys)) else type(obj).__name__
     return ("an " if name[:1].lower() in "aeiou" else "a ") + name
 
 
