@@ -123,6 +123,8 @@ class TwoInputs(torch.nn.Module):  # a forward that needs a mask as well
         return self.lin(x * mask)
 
 tagger = torch.nn.Conv1d(3, 5, 1)  # [batch, 5 classes, length]
+lazy = torch.nn.LazyLinear(2)
+scripted = torch.jit.script(torch.nn.Linear(8, 2))  # TorchScript keeps its state in C++
 frozen = torch.nn.Linear(8, 2).requires_grad_(False)
 with torch.device("meta"):
     on_meta = torch.nn.Linear(8, 2)
@@ -171,7 +173,8 @@ def test_a_module_step_is_checked_and_the_state_survives_it(notebook):
     assert "one step of batch 2 ran on the cpu" in text, text
     # The vocabulary came from the model's Embedding, the loss from the output's shape.
     assert "loss cross-entropy over the last dimension (50 classes)" in text, text
-    assert "your model, its optimizer and the random generators are as they were" in text, text
+    assert ("your model (weights, buffers, gradients, attributes), its optimizer and the random "
+            "generators are as they were") in text, text
     # What the trial assumed, as the report on a GPU says it.
     assert "optimizer the notebook's opt (AdamW)" in text, text
     assert "precision float32;" in text, text  # the weights', not the token ids' int64
@@ -199,7 +202,7 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
     _, kc = notebook
     reply, outputs = execute(kc, "%maxbatch --step lm_step", timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
-    assert "such as a counter or an iterator it draws from, is not put back" in \
+    assert "such as a list, a counter or an iterator it draws from, are not put back" in \
         stream_text(outputs), stream_text(outputs)
     assert_untouched(kc)
 
@@ -299,7 +302,9 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
                                        "%maxbatch MODULE calls it with one tensor of --input: "
                                        "write a function FN(batch_size)"),
     ("%maxbatch frozen --input 8", "frozen has no trainable parameters"),
-    ("%maxbatch on_meta --input 8", "on_meta is on the meta device"),
+    ("%maxbatch on_meta --input 8", "2 of on_meta's 2 weights and buffers are on the meta "
+                                    "device"),
+    ("%maxbatch lazy --input 8", "lazy has lazy modules not initialized yet"),
     ("%maxbatch regress --input 5", "check --input (the shape of one sample; --vocab N for "
                                       "token ids), or if it takes more than one input"),
     # Where the user's line is, not torch's frame that raised.
@@ -397,6 +402,107 @@ def test_a_buffer_the_forward_replaces_is_put_back_as_it_was(trials):
     assert torch.equal(original, torch.zeros(4))
     call(trials, ns, "close")
     assert model.ema is original and torch.equal(model.ema, torch.zeros(4))
+
+
+def test_a_modules_cache_and_the_attributes_beside_it_come_back_together(trials):
+    """A rotary-embedding-like cache: a longer sequence replaces the buffer and raises the
+    length kept beside it; a buffer registered as None is filled; a plain tensor and a plain
+    number count calls; a trial registers a new buffer. All of it is as it was after the trial,
+    and the module still runs at a length between the two (half put back, it would not)."""
+    import torch
+
+    class Cached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.max_len = 8
+            self.register_buffer("table", torch.arange(8.0), persistent=False)
+            self.register_buffer("last", None)
+            self.seen = torch.zeros(())
+            self.calls = 0
+        def forward(self, x):  # x: [batch, length, 4]
+            if x.shape[1] > self.max_len:
+                self.max_len = x.shape[1]
+                self.register_buffer("table", torch.arange(float(self.max_len)), persistent=False)
+            self.last = x.detach()[:1]
+            self.seen += 1
+            self.calls += 1
+            if not hasattr(self, "extra"):
+                self.register_buffer("extra", torch.ones(1))
+            return self.lin(x) * self.table[: x.shape[1], None]
+
+    model = Cached()
+    table, seen = model.table, model.seen
+    ns = {"model": model}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                              "input": [16, 4], "optimizer": "sgd"})
+    assert "refused" not in reply, reply
+    call(trials, ns, "set_loss", plan={"kind": "mse"})
+    assert call(trials, ns, "trial", batch=3, steps=2)["result"] == "ran"
+    call(trials, ns, "close")
+    assert model.max_len == 8 and model.table is table and model.table.shape == (8,)
+    assert model.last is None and "last" in model._buffers
+    assert model.seen is seen and float(seen) == 0.0 and model.calls == 0
+    assert not hasattr(model, "extra")
+    assert model(torch.randn(1, 6, 4)).shape == (1, 6, 4)
+
+
+def test_a_torchscript_module_in_the_notebook_leaves_every_restore_whole(trials):
+    """TorchScript keeps a module's parameters in C++ wrappers, not dicts: a scripted module
+    the step reaches, or sized itself, must not stop the rest of the state coming back."""
+    import torch
+
+    scripted = torch.jit.script(torch.nn.Linear(4, 2))
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())  # no state yet: the trial makes it
+
+    def step(batch):
+        opt.zero_grad()
+        (model(torch.randn(batch, 4)).sum() + scripted(torch.randn(batch, 4)).sum()).backward()
+        opt.step()
+
+    ns = {"step": step, "scripted": scripted, "model": model, "opt": opt}
+    weights = [p.detach().clone() for p in (*model.parameters(), *scripted.parameters())]
+    rng = torch.random.get_rng_state()
+    reply = call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    assert "refused" not in reply, reply
+    assert call(trials, ns, "trial", batch=3, steps=2)["result"] == "ran"
+    assert len(opt.state) == 0 and torch.equal(torch.random.get_rng_state(), rng)
+    assert call(trials, ns, "close")["closed"] is True
+    assert all(torch.equal(a, b) for a, b in
+               zip(weights, (*model.parameters(), *scripted.parameters())))
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "scripted",
+                                              "input": [4], "optimizer": "sgd"})
+    assert reply["output"]["shape"] == [2, 2], reply
+    call(trials, ns, "close")
+
+
+def test_a_forward_whose_decorator_supplies_an_argument_is_not_refused(trials):
+    """The signature says (x, mask), but a decorator fills the mask: `model(x)` works, so the
+    module is sized; the signature only explains a forward that failed."""
+    import functools
+
+    import torch
+
+    def default_mask(forward):
+        @functools.wraps(forward)
+        def wrapper(self, x, mask=None):
+            return forward(self, x, torch.ones_like(x) if mask is None else mask)
+        return wrapper
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+        @default_mask
+        def forward(self, x, mask):
+            return self.lin(x * mask)
+
+    ns = {"model": Masked()}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4],
+                                              "optimizer": "sgd"})
+    assert reply.get("output", {}).get("shape") == [2, 2], reply
+    call(trials, ns, "close")
 
 
 def test_a_step_function_reaches_state_through_closures_partials_and_objects(trials):

@@ -137,7 +137,8 @@ pub fn plan(
 /// length]` instead.
 pub fn alternative(shape: &[i64], plan: &LossPlan, vocab: Option<i64>) -> Option<String> {
     match (shape, plan) {
-        ([_, x, y], LossPlan::Ce { class_dim: -1, .. }) if vocab != Some(*y) && *x > 1 => Some(
+        // Where x == y, --target-classes x reads the last dimension again: no flag to offer.
+        ([_, x, y], LossPlan::Ce { class_dim: -1, .. }) if vocab != Some(*y) && *x > 1 && x != y => Some(
             format!("if dimension 1 holds the classes ([batch, classes, length], as a 1-d convolution gives), say --target-classes {x}"),
         ),
         _ => None,
@@ -207,6 +208,7 @@ mod tests {
         // Dimension 1 taken, or no classes at all: nothing to add.
         assert_eq!(alternative(&[2, 5, 64, 64], &ce(5, 1), None), None);
         assert_eq!(alternative(&[2, 1000], &ce(1000, -1), None), None);
+        assert_eq!(alternative(&[2, 5, 5], &ce(5, -1), None), None);
     }
 
     #[test]

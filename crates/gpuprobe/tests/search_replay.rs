@@ -1,19 +1,17 @@
 //! The search replayed against memory curves measured in users' own training loops on an H200
-//! (`bench/gpu/maxbatch_truth.py`, committed under `bench/results/`: every `maxbatch-truth-*`
-//! and `maxbatch-survey-*` run that recorded the truth's curve; at 5a2de83, 110 model runs of
-//! 17 models whose maxima moved between runs, a corpus that grows with every committed run).
-//! Each curve is the peak allocated and reserved bytes of the notebook's loop at a set of batch
-//! sizes, and its true maximum from an exact bisection of that loop. A replayed trial
-//! interpolates the curve; a batch above the true maximum runs out of memory. The issue's search
-//! targets hold here: every answer within 1.5% below the truth, at most 10 trials, 6 in the
-//! median. Its time target (a third of Lightning's double-then-bisect to the exact maximum)
-//! does not: by the cost model below the search alone costs 0.376 of the baseline's compute on
-//! the same curves, and 0.488 with the trial %maxbatch adds to run its recommendation (unless
-//! the search ran that batch). Both are guarded a little above those levels, so that a new
-//! run's curves do not fail the test while a worse search does; they are not passed off as the
-//! target. (On the 18 survey curves alone they were 0.340 and 0.450; biasing the closing
-//! bisection towards the top, where a failure is cheaper than a fit, moved them by under 0.01
-//! either way, 2026-12-04.)
+//! (`bench/gpu/maxbatch_truth.py`, committed under `bench/results/`: the runs named in `RUNS`,
+//! every one that recorded the truth's curve up to 2026-12-04f, 112 model runs of 17 models
+//! whose maxima moved between runs). Each curve is the peak allocated and reserved bytes of the
+//! notebook's loop at a set of batch sizes, and its true maximum from an exact bisection of that
+//! loop. A replayed trial interpolates the curve; a batch above the true maximum runs out of
+//! memory. The issue's search targets hold here: every answer within 1.5% below the truth, at
+//! most 10 trials, 6 in the median. Its time target (a third of Lightning's double-then-bisect
+//! to the exact maximum) does not: by the cost model below the search alone costs 0.376 of the
+//! baseline's compute on the same curves, and 0.489 with the trial %maxbatch adds to run its
+//! recommendation (unless the search ran that batch). Both are guarded at their level, not
+//! passed off as the target. (On the 18 survey curves alone they were 0.340 and 0.450; biasing
+//! the closing bisection towards the top, where a failure is cheaper than a fit, moved them by
+//! under 0.01 either way, 2026-12-04.)
 //!
 //! Cost model, in sample-steps, from the trials measured on the H200 (maxbatch-truth-2026-12-04c):
 //! a trial that fits runs 3 steps of `batch` samples, or 2 where its cache peaked at most 0.9
@@ -54,23 +52,43 @@ struct Held {
     allocated: u64,
 }
 
+/// The runs replayed, named so that a new run committed under bench/results changes nothing
+/// here until it is added (and the levels below measured again).
+const RUNS: [&str; 18] = [
+    "maxbatch-survey-2026-12-03-run2.json",
+    "maxbatch-survey-2026-12-03.json",
+    "maxbatch-truth-2026-12-03-run2a.json",
+    "maxbatch-truth-2026-12-03-run2b.json",
+    "maxbatch-truth-2026-12-03-run3.json",
+    "maxbatch-truth-2026-12-03-run4.json",
+    "maxbatch-truth-2026-12-03.json",
+    "maxbatch-truth-2026-12-04-compile.json",
+    "maxbatch-truth-2026-12-04-convnext-own-kernel.json",
+    "maxbatch-truth-2026-12-04-libtorch-budget.json",
+    "maxbatch-truth-2026-12-04-lightning-run.json",
+    "maxbatch-truth-2026-12-04-vit-bf16.json",
+    "maxbatch-truth-2026-12-04.json",
+    "maxbatch-truth-2026-12-04b.json",
+    "maxbatch-truth-2026-12-04c.json",
+    "maxbatch-truth-2026-12-04d.json",
+    "maxbatch-truth-2026-12-04e.json",
+    "maxbatch-truth-2026-12-04f.json",
+];
+
 fn surveys() -> Vec<(PathBuf, Survey)> {
     // At run time, not `env!`: a test binary cargo reuses from a checkout at another path
     // (CI's and a developer's share the target cache) would look in that checkout.
     let manifest =
         std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").into());
     let dir = PathBuf::from(manifest).join("../../bench/results");
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir(&dir).expect("bench/results") {
-        let path = entry.expect("a directory entry").path();
-        let name = path.file_name().unwrap_or_default().to_string_lossy();
-        let measured = name.starts_with("maxbatch-survey-") || name.starts_with("maxbatch-truth-");
-        if measured && name.ends_with(".json") {
-            let text = std::fs::read_to_string(&path).expect("a survey file");
-            found.push((path, serde_json::from_str(&text).expect("a survey")));
-        }
-    }
-    found
+    RUNS.iter()
+        .map(|name| {
+            let path = dir.join(name);
+            let text = std::fs::read_to_string(&path).expect("a run named in RUNS");
+            let survey = serde_json::from_str(&text).expect("a run's JSON");
+            (path, survey)
+        })
+        .collect()
 }
 
 /// Linear interpolation (and extrapolation from the nearest two) of the fitting points.
@@ -135,10 +153,7 @@ fn confirmation(result: &SearchResult) -> Option<u64> {
 #[test]
 fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_cost() {
     let surveys = surveys();
-    assert!(
-        !surveys.is_empty(),
-        "no maxbatch-survey-*.json or maxbatch-truth-*.json in bench/results"
-    );
+    assert!(!surveys.is_empty(), "no runs to replay");
     let mut counts = Vec::new();
     let mut confirmed_counts = Vec::new();
     let mut wrong = Vec::new();
@@ -228,14 +243,13 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
          {confirmed:.3}"
     );
     // The issue's third is not met, by the search alone or with the confirming trial (a trial
-    // near the maximum): guards against regressions a little above the levels measured (the
-    // corpus grows with each committed run), not the target.
+    // near the maximum): guards against regressions at the levels measured, not the target.
     assert!(
-        search_only <= 0.40,
+        search_only <= 0.38,
         "cost {search_only:.3} of the baseline's"
     );
     assert!(
-        confirmed <= 0.52,
+        confirmed <= 0.495,
         "cost with the confirming trial {confirmed:.3}"
     );
 }

@@ -326,6 +326,7 @@ pub(super) fn run(
             prepared: &prepared,
             assumptions: &assumptions,
             step_fn: spec.kind == "step",
+            model: &spec.target,
             json: args.json,
         };
         return validate_without_gpu(&mut session, &check, trial_limit);
@@ -399,15 +400,17 @@ pub(super) fn run(
     Ok(())
 }
 
-/// What the trials leave as it was: the state `trials.py` snapshots, and for a step function
-/// a word on what it cannot (plain Python objects the step changes).
+/// What the trials leave as it was: the state `trials.py` snapshots (modules with their
+/// weights, buffers, gradients and attributes; optimizers, schedulers, scalers; the random
+/// generators), and a word on what it cannot (other objects a step changes).
 fn state_back(step_fn: bool) -> &'static str {
     if step_fn {
-        "your tensors, optimizers, schedulers, scalers and random generators are as they \
-         were (what your step changes besides, such as a counter or an iterator it draws \
-         from, is not put back)"
+        "the modules, optimizers, schedulers, scalers and random generators your step reaches \
+         are as they were (other objects it changes, such as a list, a counter or an \
+         iterator it draws from, are not put back)"
     } else {
-        "your model, its optimizer and the random generators are as they were"
+        "your model (weights, buffers, gradients, attributes), its optimizer and the random \
+         generators are as they were"
     }
 }
 
@@ -791,16 +794,19 @@ fn throughput(
     Ok(Throughput::from_points(points))
 }
 
-/// No GPU in the Python kernel: one small trial checks the step and the state's return.
-/// What the check without a GPU reports, and how.
+/// What the check without a GPU reports, and how (`validate_without_gpu`).
 struct CpuCheck<'a> {
     prepared: &'a Prepared,
     assumptions: &'a Assumptions,
     step_fn: bool,
+    /// The module or step function, as the GPU report names it.
+    model: &'a str,
     /// `--json`: the cell's value (no batch size in it), else printed as text.
     json: bool,
 }
 
+/// No GPU in the Python kernel, so nothing to search: one small trial checks the step and the
+/// state's return, and the report says what a search would assume.
 fn validate_without_gpu(
     session: &mut Session,
     check: &CpuCheck,
@@ -849,7 +855,8 @@ fn validate_without_gpu(
         return Ok(());
     }
     let value = json!({
-        "max_batch": null, "recommended": null, "gpu": false, "torch": prepared.describe.torch,
+        "model": check.model, "max_batch": null, "recommended": null, "gpu": false,
+        "torch": prepared.describe.torch,
         "checked": said, "engine": a.engine, "assumptions": a,
     });
     let mut data = crate::magics::bundle(text, None);

@@ -97,20 +97,70 @@ def _put(current, saved, device):
     return saved.to(device, non_blocking=True)
 
 
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _holds_data(torch, t):
+    """Whether a tensor holds values a trial could change and a copy could keep: not one on
+    the meta device, nor a lazy module's parameter before its first forward."""
+    lazy = getattr(torch.nn.parameter, "UninitializedTensorMixin", ())
+    return not t.is_meta and not isinstance(t, lazy)
+
+
+class _Layout:
+    """What one module holds besides its tensors' values: which tensor sits under each
+    registered name (None included), and its plain attributes, numbers and strings and
+    tensors it never registered. A forward can change them together: a rotary embedding that
+    meets a longer sequence replaces its cache buffer and raises `max_seq_len_cached`; an EMA
+    written `self.ema = 0.9 * self.ema + ...` replaces its buffer. Put back together, the
+    module is as it was, not half so. (TorchScript modules keep theirs in C++ wrappers, which
+    only their values' copies reach.)"""
+
+    def __init__(self, torch, module):
+        self.module = module
+        attrs = module.__dict__
+        self.registered = {kind: dict(attrs[kind]) for kind in ("_parameters", "_buffers")
+                           if type(attrs.get(kind)) is dict}
+        # A plain tensor's values too where it is a leaf: one made by the forward from the
+        # weights (old weight_norm's `weight`) keeps its graph, and only its identity.
+        self.plain = {k: (v, _host(v) if torch.is_tensor(v) and v.grad_fn is None
+                          and _holds_data(torch, v) else None)
+                      for k, v in attrs.items()
+                      if isinstance(v, _SCALARS) or torch.is_tensor(v)}
+
+    def restore(self, torch):
+        attrs = self.module.__dict__
+        for kind, saved in self.registered.items():
+            held = attrs[kind]
+            for name in [n for n in held if n not in saved]:
+                del held[name]  # registered during the trial
+            for name, t in saved.items():
+                if held.get(name, held) is not t:
+                    held[name] = t
+        for k in [k for k, v in attrs.items() if k not in self.plain
+                  and (isinstance(v, _SCALARS) or torch.is_tensor(v))]:
+            del attrs[k]  # set during the trial
+        for k, (v, value) in self.plain.items():
+            if attrs.get(k, attrs) is not v:
+                attrs[k] = v
+            if value is not None:
+                with torch.no_grad():
+                    v.copy_(value, non_blocking=True)
+
+
 class Snapshot:
     """Host copies of everything a trial can change, and how to put it back."""
 
     def __init__(self, torch, modules, optimizers, scalers, schedulers):
         self.torch = torch
-        # A tensor on the meta device holds no data a trial could change (and none to copy).
         params, buffers, seen = [], [], set()
         for module in modules:
             for p in module.parameters():
-                if id(p) not in seen and not p.is_meta:
+                if id(p) not in seen and _holds_data(torch, p):
                     seen.add(id(p))
                     params.append(p)
             for b in module.buffers():
-                if id(b) not in seen and not b.is_meta:
+                if id(b) not in seen and _holds_data(torch, b):
                     seen.add(id(b))
                     buffers.append(b)
         for opt in optimizers:  # parameters an optimizer holds outside any module found
@@ -121,13 +171,9 @@ class Snapshot:
                         params.append(p)
         self.params = [(p, _host(p), None if p.grad is None else _host(p.grad)) for p in params]
         self.buffers = [(b, _host(b)) for b in buffers]
-        # Where each sits: a forward that assigns a registered buffer (`self.ema = 0.9 *
-        # self.ema + ...`, an EMA) or parameter replaces the tensor object in its module, so
-        # the original is put back there as well as its values.
-        self.slots = [(m, kind, name, t) for module in modules for m in module.modules()
-                      for kind in ("_parameters", "_buffers")
-                      for name, t in getattr(m, kind, {}).items() if t is not None]
-        self.flags = [(m, m.training) for module in modules for m in module.modules()]
+        every = list({id(m): m for module in modules for m in module.modules()}.values())
+        self.layouts = [_Layout(torch, m) for m in every]
+        self.flags = [(m, m.training) for m in every]
         self.optimizers = [(opt, self._optimizer_state(opt)) for opt in optimizers]
         self.scalers = [(s, s.state_dict()) for s in scalers]
         self.schedulers = [(s, s.state_dict()) for s in schedulers]
@@ -158,6 +204,8 @@ class Snapshot:
         n = sum(h.numel() * h.element_size() for _, h, _ in self.params)
         n += sum(g.numel() * g.element_size() for _, _, g in self.params if g is not None)
         n += sum(h.numel() * h.element_size() for _, h in self.buffers)
+        n += sum(h.numel() * h.element_size() for layout in self.layouts
+                 for _, h in layout.plain.values() if h is not None)
         for _, (state, _) in self.optimizers:
             for entry in state.values():
                 for v in entry.values():
@@ -183,10 +231,6 @@ class Snapshot:
                     p.grad = _put(p.grad, grad, p.device)
             for b, value in self.buffers:
                 b.copy_(value, non_blocking=True)
-        for m, kind, name, t in self.slots:
-            held = getattr(m, kind)
-            if held.get(name) is not t:
-                held[name] = t
         for m, training in self.flags:
             m.training = training
         for opt, (state, groups) in self.optimizers:
@@ -215,6 +259,9 @@ class Snapshot:
             sys.modules["random"].setstate(self.rng["random"])
         if "numpy" in self.rng:
             sys.modules["numpy"].random.set_state(self.rng["numpy"])
+        # Last: the rest is back whatever an odd module's attributes do here.
+        for layout in self.layouts:
+            layout.restore(torch)
 
 
 def _stateful_kinds(torch):
@@ -353,10 +400,17 @@ class ModuleStep:
             raise MaxBatchError(f"{self.name} is {_a(model)}, not a torch.nn.Module "
                                 "(for a function that runs your own step, use --step)")
         self.model = model
-        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-            raise MaxBatchError(f"{self.name} is on the meta device (its weights are not "
-                                "allocated): materialize it first, e.g. "
-                                f"{self.name}.to_empty(device='cuda') and load its weights")
+        tensors = [*model.parameters(), *model.buffers()]
+        on_meta = sum(t.is_meta for t in tensors)
+        if on_meta:
+            raise MaxBatchError(f"{on_meta} of {self.name}'s {len(tensors)} weights and buffers "
+                                "are on the meta device (offloaded, or never materialized): "
+                                "%maxbatch trains the model where it is, so put all of it on the "
+                                "GPU first (load its weights, or to_empty(device='cuda') and "
+                                "initialize)")
+        if any(not _holds_data(torch, t) for t in tensors):
+            raise MaxBatchError(f"{self.name} has lazy modules not initialized yet: run one "
+                                "forward pass with a real batch first, so their weights exist")
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
         floats = [p for p in model.parameters() if p.is_floating_point()]
@@ -382,7 +436,6 @@ class ModuleStep:
                                 "requires_grad), so a training step has nothing to train: "
                                 "unfreeze what you train, or size a forward pass with "
                                 "--inference")
-        self._check_inputs()
         self.loss_plan = None
         self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
             user_ns, spec, found)
@@ -390,22 +443,18 @@ class ModuleStep:
         if self.amp is torch.float16 and not self.inference:
             self.scaler = torch.amp.GradScaler(self.device.type)
 
-    def _check_inputs(self):
-        """The standard step calls `model(x)` with one tensor: a forward that needs more (a
-        mask, decoder inputs) is sent to --step before any trial runs."""
+    def _required_arguments(self):
+        """The forward's arguments without a default, as its signature reads (a decorator or
+        a pre-hook may supply some: read only to explain a forward that failed)."""
         import inspect
         try:
             signature = inspect.signature(self.model.forward)
         except (TypeError, ValueError):  # a builtin or C++ forward: nothing to read
-            return
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        needed = [p.name for p in signature.parameters.values()
-                  if p.default is inspect.Parameter.empty
-                  and (p.kind in positional or p.kind is inspect.Parameter.KEYWORD_ONLY)]
-        if len(needed) > 1:
-            raise MaxBatchError(f"{self.name}.forward needs {len(needed)} arguments "
-                                f"({', '.join(needed)}), while %maxbatch MODULE calls it with one "
-                                f"tensor of --input: {STEP_HINT}")
+            return []
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                 inspect.Parameter.KEYWORD_ONLY)
+        return [p.name for p in signature.parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind in kinds]
 
     def _optimizer(self, user_ns, spec, found):
         torch = self.torch
@@ -458,6 +507,12 @@ class ModuleStep:
             with torch.set_grad_enabled(not self.inference), self._autocast():
                 out = self.model(x)
         except Exception as err:
+            needed = self._required_arguments()
+            if len(needed) > 1:
+                raise MaxBatchError(
+                    f"{self.name}.forward needs {len(needed)} arguments ({', '.join(needed)}), "
+                    f"while %maxbatch MODULE calls it with one tensor of --input: "
+                    f"{STEP_HINT}") from None
             what = "token ids" if self.vocab else str(self.dtype).replace("torch.", "")
             check = ("--input (the shape of one sample) and --vocab" if self.vocab else
                      "--input (the shape of one sample; --vocab N for token ids)")
