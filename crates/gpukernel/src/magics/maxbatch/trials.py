@@ -127,19 +127,25 @@ class _Layout:
                           and _holds_data(torch, v) else None)
                       for k, v in attrs.items()
                       if isinstance(v, _SCALARS) or torch.is_tensor(v)}
+        self.names = set(attrs)
 
     def restore(self, torch):
+        # After every trial, over every module: the scans for names a trial added run only
+        # where the names differ (632 modules of a 48-layer GPT-2 on the CPU: 0.75 ms a
+        # restore, 4 ms with both scans every time).
         attrs = self.module.__dict__
         for kind, saved in self.registered.items():
             held = attrs[kind]
-            for name in [n for n in held if n not in saved]:
-                del held[name]  # registered during the trial
+            if held.keys() != saved.keys():
+                for name in [n for n in held if n not in saved]:
+                    del held[name]  # registered during the trial
             for name, t in saved.items():
                 if held.get(name, held) is not t:
                     held[name] = t
-        for k in [k for k, v in attrs.items() if k not in self.plain
-                  and (isinstance(v, _SCALARS) or torch.is_tensor(v))]:
-            del attrs[k]  # set during the trial
+        if attrs.keys() != self.names:
+            for k in [k for k, v in attrs.items() if k not in self.plain
+                      and (isinstance(v, _SCALARS) or torch.is_tensor(v))]:
+                del attrs[k]  # set during the trial
         for k, (v, value) in self.plain.items():
             if attrs.get(k, attrs) is not v:
                 attrs[k] = v
