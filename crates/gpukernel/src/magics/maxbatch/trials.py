@@ -9,7 +9,8 @@ the notebook gains no names, no history and no execution count.
 The user's state survives every trial exactly. ``prepare`` copies to host memory (never a
 second GPU copy) the parameters, buffers, gradients, optimizer state and hyper-parameters,
 GradScaler and LR-scheduler state, the random number generators (torch CPU and CUDA, Python's
-``random``, NumPy's global one) and every module's training flag; after each trial (success,
+``random``, NumPy's global one), every module's training flag and its layout (which tensor sits
+under each registered name, its plain attributes); after each trial (success,
 out of memory, an error in the user's step, an interrupt) they are put back in place.
 
 A trial is one of:
