@@ -331,8 +331,35 @@ pub(super) fn run(
         };
         return validate_without_gpu(&mut session, &check, trial_limit);
     }
+    let mut findings = search_on_gpu(
+        &mut session,
+        args,
+        &spec,
+        &prepared,
+        assumptions,
+        trial_limit,
+    )?;
+    findings.elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+    ctx.out.emit(Output::value_or_display(
+        super::report::summary(&findings),
+        args.json,
+    ));
+    Ok(())
+}
+
+/// The search on the GPU, from the budget to the closed session: what the report shows (all
+/// but the elapsed time, which the caller measures from before `prepare`).
+fn search_on_gpu(
+    session: &mut Session,
+    args: &Args,
+    spec: &Spec,
+    prepared: &Prepared,
+    assumptions: Assumptions,
+    trial_limit: Duration,
+) -> Result<Findings, MagicError> {
+    let python = session.python;
     let (memory, card) = match args.limit {
-        Some(card) => cap(&session, python.pid(), &prepared.memory, card)?,
+        Some(card) => cap(session, python.pid(), &prepared.memory, card)?,
         None => (prepared.memory.clone(), None),
     };
     let limit = memory.limit.ok_or_else(|| {
@@ -347,7 +374,7 @@ pub(super) fn run(
         ..SearchConfig::default()
     };
     let live = Live::start(
-        ctx.out,
+        session.ctx.out,
         format!(
             "%maxbatch {}: trying batch sizes in your Python kernel ({})",
             spec.target,
@@ -355,15 +382,9 @@ pub(super) fn run(
         ),
     );
     let held_before = memory.allocated.unwrap_or(0);
-    let searched = search_and_confirm(&session, &live, args, &config, held_before, trial_limit)?;
+    let searched = search_and_confirm(session, &live, args, &config, held_before, trial_limit)?;
     let mut findings = Findings {
         model: spec.target.clone(),
-        search: searched.result,
-        assumptions,
-        limit,
-        device_total: memory.total.unwrap_or(0),
-        card,
-        elapsed_ms: 0.0,
         trial_ms: searched.records.iter().map(|r| (r.batch, r.ms)).collect(),
         trial_steps: searched
             .records
@@ -375,29 +396,30 @@ pub(super) fn run(
             .iter()
             .filter_map(|r| Some((r.batch, r.reserved?)))
             .collect(),
+        search: searched.result,
+        assumptions,
+        limit,
+        device_total: memory.total.unwrap_or(0),
+        card,
+        elapsed_ms: 0.0,
         held: Some(Held {
             who: format!("your Python kernel (pid {})", python.pid()),
             allocated: held_before,
             reserved: memory.reserved.unwrap_or(0),
         }),
         after: String::new(),
-        notes: notes(&prepared),
+        notes: notes(prepared),
         margin_percent: args.margin,
         throughput: None,
         confirmation: searched.confirmation,
         timings: None,
     };
     if args.throughput {
-        findings.throughput = Some(throughput(&session, &live, &findings, trial_limit)?);
+        findings.throughput = Some(throughput(session, &live, &findings, trial_limit)?);
     }
-    findings.after = close_line(&mut session, spec.kind == "step");
+    findings.after = close_line(session, spec.kind == "step");
     findings.timings = Some(session.timings.borrow().clone());
-    findings.elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
-    ctx.out.emit(Output::value_or_display(
-        super::report::summary(&findings),
-        args.json,
-    ));
-    Ok(())
+    Ok(findings)
 }
 
 /// What the trials leave as it was: the state `trials.py` snapshots (modules with their
@@ -932,22 +954,26 @@ fn assumptions(
     Assumptions {
         engine: EngineKind::Python,
         step,
-        loss: loss.map(|plan| {
-            // Inferred from the output alone: where another reading was as likely, how to ask.
-            let guessed = args.loss.is_none() && args.target_classes.is_none();
-            let hint = prepared
-                .output
-                .as_ref()
-                .filter(|_| guessed)
-                .and_then(|o| loss::alternative(&o.shape, plan, d.vocab.or(args.vocab)));
-            match hint {
-                Some(hint) => format!("{plan} ({hint})"),
-                None => plan.to_string(),
-            }
-        }),
+        loss: loss.map(|plan| loss_text(args, prepared, plan)),
         precision,
         optimizer: d.optimizer.clone(),
         input,
+    }
+}
+
+/// The loss as the report states it; where it was inferred from the output alone and another
+/// reading was as likely, how to ask for that one.
+fn loss_text(args: &Args, prepared: &Prepared, plan: &LossPlan) -> String {
+    let guessed = args.loss.is_none() && args.target_classes.is_none();
+    let vocab = prepared.describe.vocab.or(args.vocab);
+    let hint = prepared
+        .output
+        .as_ref()
+        .filter(|_| guessed)
+        .and_then(|o| loss::alternative(&o.shape, plan, vocab));
+    match hint {
+        Some(hint) => format!("{plan} ({hint})"),
+        None => plan.to_string(),
     }
 }
 
