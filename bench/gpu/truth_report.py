@@ -166,7 +166,7 @@ def breakdown(rows):
 
 
 # trials.py's STEADY_HEADROOM and STEADY_SLACK
-HEADROOM, SLACK = 0.9, 0.001
+HEADROOM, SLACK = 0.95, 0.001
 
 
 def steady(rows):

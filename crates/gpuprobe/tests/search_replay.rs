@@ -6,22 +6,22 @@
 //! loop. A replayed trial interpolates the curve; a batch above the true maximum runs out of
 //! memory. The search targets hold here: every answer within 1.5% below the truth, at
 //! most 10 trials, 6 in the median. Its time target (a third of Lightning's double-then-bisect
-//! to the exact maximum) does not: by the cost model below the search alone costs 0.376 of the
-//! baseline's compute on the same curves, and 0.489 with the trial %maxbatch adds to run its
+//! to the exact maximum) does not: by the cost model below the search alone costs 0.377 of the
+//! baseline's compute on the same curves, and 0.481 with the trial %maxbatch adds to run its
 //! recommendation (unless the search ran that batch). Both are guarded at their level, not
 //! passed off as the target. (On the 18 survey curves alone they were 0.340 and 0.450; biasing
 //! the closing bisection towards the top, where a failure is cheaper than a fit, moved them by
 //! under 0.01 either way, 2026-12-04.)
 //!
 //! Cost model, in sample-steps, from the trials measured on the H200 (maxbatch-truth-2026-12-04c):
-//! a trial that fits runs 3 steps of `batch` samples, or 2 where its cache peaked at most 0.9
+//! a trial that fits runs 3 steps of `batch` samples, or 2 where its cache peaked at most 0.95
 //! of the limit (the early end of trials.py, as in our harness for both searches); one that
 //! fails costs 1.25 steps (the mean over the truth's failing probes, which fail at step 2 most
 //! often, the failing step counted half). It leaves out each step's fixed cost (the optimizer
 //! step, launches), which makes small trials dearer than their samples on the GPU: measured
 //! there, `seconds` vs `baseline_seconds` in maxbatch-truth-*.json, the ratio is higher still.
 //! (With the older model, 3 steps for every fit and 1 for every failure, the survey curves gave
-//! 0.331 and 0.445.)
+//! 0.331 and 0.445; with the early end at 0.9 of the limit, all curves gave 0.376 and 0.489.)
 
 use gpuprobe::search::{
     double_then_bisect, recommend, search, Outcome, SearchConfig, SearchResult, Stop,
@@ -111,9 +111,9 @@ fn interpolate(points: &[(u64, u64, u64)], batch: u64) -> (u64, u64) {
 const MARGIN: f64 = 0.05;
 
 /// Steps a trial that fits runs: 2 when its cache peaked at most this fraction of the limit
-/// (trials.py's STEADY_HEADROOM: far below the limit a trial ends once its second step repeats
-/// the first, which it did in 40 of 83 fitting probes in maxbatch-truth-2026-12-04c), else 3.
-const HEADROOM: f64 = 0.9;
+/// (trials.py's STEADY_HEADROOM: below it a trial ends once its second step repeats the first,
+/// which it did in 111 of 181 fitting probes in maxbatch-truth-2026-12-04c to -04f), else 3.
+const HEADROOM: f64 = 0.95;
 /// Steps a failing trial costs: its step that failed counted as half, over the 43 failing
 /// probes of maxbatch-truth-2026-12-04c (14 failed at step 1, 26 at step 2, 3 at step 3).
 const FAILED_STEPS: f64 = 1.25;
@@ -249,7 +249,7 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
         "cost {search_only:.3} of the baseline's"
     );
     assert!(
-        confirmed <= 0.495,
+        confirmed <= 0.485,
         "cost with the confirming trial {confirmed:.3}"
     );
 }
