@@ -229,27 +229,8 @@ fn percent(part: u64, whole: u64) -> f64 {
     }
 }
 
-/// Text and HTML tables of a snapshot, and the Python kernel's torch state when known.
-pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>, python: Option<&PythonView>) -> Bundle {
-    let gpus: &[GpuInfo] = snapshot.as_ref().map(|s| s.gpus.as_slice()).unwrap_or(&[]);
-    let python_part = python.map(|p| python_text(p, gpus)).unwrap_or_default();
-    let snapshot = match snapshot {
-        Ok(s) => s,
-        Err(e) => {
-            let text = format!("{}\n{python_part}", unavailable_text(e));
-            let html = format!("<pre>{}</pre>", html_escape(&text));
-            return bundle(text, Some(html));
-        }
-    };
-    if snapshot.gpus.is_empty() {
-        let text = format!(
-            "The NVIDIA driver ({}) sees no GPU here.",
-            snapshot.driver_version
-        );
-        let html = format!("<pre>{}</pre>", html_escape(&text));
-        return bundle(text, Some(html));
-    }
-    let me = std::process::id();
+/// One row per GPU: NVML's index, the CUDA ordinal this process sees it as, memory and load.
+fn gpu_table(snapshot: &GpuSnapshot) -> (String, String) {
     let ordinals = visible::cuda_ordinals(
         std::env::var("CUDA_VISIBLE_DEVICES").ok().as_deref(),
         &snapshot.gpus,
@@ -304,7 +285,13 @@ pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>, python: Option<&Python
         ));
     }
     html.push_str("</tbody></table>");
+    (text, html)
+}
 
+/// One row per process holding GPU memory, this gpukernel and its Python kernel marked.
+fn process_table(snapshot: &GpuSnapshot, python: Option<&PythonView>) -> (String, String) {
+    let me = std::process::id();
+    let (mut text, mut html) = (String::new(), String::new());
     let processes: Vec<_> = snapshot
         .gpus
         .iter()
@@ -356,6 +343,33 @@ pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>, python: Option<&Python
         }
         html.push_str("</tbody></table>");
     }
+    (text, html)
+}
+
+/// Text and HTML tables of a snapshot, and the Python kernel's torch state when known.
+pub fn render(snapshot: &Result<GpuSnapshot, ProbeError>, python: Option<&PythonView>) -> Bundle {
+    let gpus: &[GpuInfo] = snapshot.as_ref().map(|s| s.gpus.as_slice()).unwrap_or(&[]);
+    let python_part = python.map(|p| python_text(p, gpus)).unwrap_or_default();
+    let snapshot = match snapshot {
+        Ok(s) => s,
+        Err(e) => {
+            let text = format!("{}\n{python_part}", unavailable_text(e));
+            let html = format!("<pre>{}</pre>", html_escape(&text));
+            return bundle(text, Some(html));
+        }
+    };
+    if snapshot.gpus.is_empty() {
+        let text = format!(
+            "The NVIDIA driver ({}) sees no GPU here.",
+            snapshot.driver_version
+        );
+        let html = format!("<pre>{}</pre>", html_escape(&text));
+        return bundle(text, Some(html));
+    }
+    let (mut text, mut html) = gpu_table(snapshot);
+    let (proc_text, proc_html) = process_table(snapshot, python);
+    text.push_str(&proc_text);
+    html.push_str(&proc_html);
     let cuda = snapshot
         .cuda_driver_version
         .as_deref()

@@ -8,7 +8,8 @@
 
 use super::python::record_history_code;
 use super::Proxy;
-use crate::magics::{cell::Segment, MagicError};
+use crate::magics::cell::{MagicLine, Segment};
+use crate::magics::{CancelToken, MagicError};
 use crate::shell::exec::{run_magic, IopubSink};
 use crate::shell::reply;
 use crate::shell::request::ExecuteRequest;
@@ -44,7 +45,6 @@ pub async fn execute(
 ) -> Value {
     let code = cell.code.as_str();
     let silent = cell.silent;
-    let store_history = cell.stores_history();
     let link = &proxy.link;
 
     // Waits for earlier cells, and tells us the count this cell gets.
@@ -69,75 +69,122 @@ pub async fn execute(
         .unwrap_or_default();
     link.begin_cell(&msg_id);
 
-    let cancel = proxy.start_running();
-    let sink = Arc::new(IopubSink::new(
-        proxy.session.clone(),
-        proxy.iopub.clone(),
-        parent.clone(),
-        silent,
-        count,
-    ));
-    let mut payload: Vec<Value> = Vec::new();
-    let mut python_parts = 0;
+    let mut run = CellRun {
+        proxy,
+        request,
+        content,
+        cell,
+        cancel: proxy.start_running(),
+        sink: Arc::new(IopubSink::new(
+            proxy.session.clone(),
+            proxy.iopub.clone(),
+            parent.clone(),
+            silent,
+            count,
+        )),
+        payload: Vec::new(),
+        python_parts: 0,
+    };
     let mut failure: Option<MagicError> = None;
     for segment in segments {
-        match segment {
-            Segment::Other(text) if text.trim().is_empty() => {}
-            Segment::Other(text) => {
-                let mut part = content.clone();
-                part["code"] = Value::String(text);
-                part["store_history"] = Value::Bool(false);
-                part["allow_stdin"] = Value::Bool(cell.allow_stdin);
-                part["user_expressions"] = json!({});
-                // We stop the cell ourselves; the child must not abort our follow-up requests.
-                part["stop_on_error"] = Value::Bool(false);
-                match link.execute_part(request, &part, &cancel).await {
-                    Ok(reply) => {
-                        python_parts += 1;
-                        link.wait_idles(python_parts).await;
-                        if let Some(p) = reply["payload"].as_array() {
-                            payload.extend(p.iter().cloned());
-                        }
-                        if reply["status"] != "ok" {
-                            failure = Some(error_of(&reply));
-                            // The OOM diagnosis, under the traceback (nothing if it is none).
-                            let ename = reply["ename"].as_str().unwrap_or("");
-                            let line = super::after_error::oom_line(ename);
-                            let diagnosis =
-                                run_magic(proxy.engine.clone(), line, sink.clone(), cancel.clone());
-                            if let Err(e) = diagnosis.await {
-                                tracing::warn!("OOM diagnosis failed: {}", e.evalue);
-                            }
-                        }
-                    }
-                    Err(_) if cancel.is_cancelled() => failure = Some(MagicError::interrupted()),
-                    Err(e) => failure = Some(MagicError::new("KernelError", e.to_string())),
-                }
-            }
-            Segment::Magic(line) => {
-                if let Err(e) =
-                    run_magic(proxy.engine.clone(), line, sink.clone(), cancel.clone()).await
-                {
-                    sink.error(&e);
-                    failure = Some(e);
-                }
-            }
-        }
-        if failure.is_some() {
+        let outcome = match segment {
+            Segment::Other(text) if text.trim().is_empty() => Ok(()),
+            Segment::Other(text) => run.python(text).await,
+            Segment::Magic(line) => run.magic(line).await,
+        };
+        if let Err(e) = outcome {
+            failure = Some(e);
             break;
         }
     }
-    payload.extend(reply::pages(sink.take_pages()));
+    let mut payload = run.payload;
+    payload.extend(reply::pages(run.sink.take_pages()));
     proxy.stop_running();
+    let user_expressions = record_cell(proxy, cell, count).await;
+    link.end_cell();
 
-    // History and counter, plus the request's user_expressions, in one silent execute.
-    let bookkeeping = if store_history {
-        record_history_code(count, code)
+    let outcome = match failure {
+        None => Ok(payload),
+        Some(e) => Err(e),
+    };
+    reply::execute_reply(count, outcome, user_expressions)
+}
+
+/// One cell's run through its segments: what each part needs, and what the parts gave.
+struct CellRun<'a> {
+    proxy: &'a Arc<Proxy>,
+    request: &'a RawMessage,
+    content: &'a Value,
+    cell: &'a ExecuteRequest,
+    cancel: CancelToken,
+    sink: Arc<IopubSink>,
+    payload: Vec<Value>,
+    python_parts: u64,
+}
+
+impl CellRun<'_> {
+    /// A Python part, in the child under the frontend's header; a failure there comes with
+    /// the OOM diagnosis under its traceback (nothing when it is no OOM).
+    async fn python(&mut self, text: String) -> Result<(), MagicError> {
+        let mut part = self.content.clone();
+        part["code"] = Value::String(text);
+        part["store_history"] = Value::Bool(false);
+        part["allow_stdin"] = Value::Bool(self.cell.allow_stdin);
+        part["user_expressions"] = json!({});
+        // We stop the cell ourselves; the child must not abort our follow-up requests.
+        part["stop_on_error"] = Value::Bool(false);
+        let link = &self.proxy.link;
+        let reply = match link.execute_part(self.request, &part, &self.cancel).await {
+            Ok(reply) => reply,
+            Err(_) if self.cancel.is_cancelled() => return Err(MagicError::interrupted()),
+            Err(e) => return Err(MagicError::new("KernelError", e.to_string())),
+        };
+        self.python_parts += 1;
+        link.wait_idles(self.python_parts).await;
+        if let Some(p) = reply["payload"].as_array() {
+            self.payload.extend(p.iter().cloned());
+        }
+        if reply["status"] == "ok" {
+            return Ok(());
+        }
+        let line = super::after_error::oom_line(reply["ename"].as_str().unwrap_or(""));
+        let diagnosis = run_magic(
+            self.proxy.engine.clone(),
+            line,
+            self.sink.clone(),
+            self.cancel.clone(),
+        );
+        if let Err(e) = diagnosis.await {
+            tracing::warn!("OOM diagnosis failed: {}", e.evalue);
+        }
+        Err(error_of(&reply))
+    }
+
+    /// One of our magics, here; its error is shown as the cell's.
+    async fn magic(&mut self, line: MagicLine) -> Result<(), MagicError> {
+        let sink = self.sink.clone();
+        let outcome = run_magic(self.proxy.engine.clone(), line, sink, self.cancel.clone()).await;
+        if let Err(e) = &outcome {
+            self.sink.error(e);
+        }
+        outcome
+    }
+}
+
+/// History and counter, plus the request's user_expressions, in one silent execute: the
+/// cell ends as a plain IPython cell would.
+async fn record_cell(
+    proxy: &Proxy,
+    cell: &ExecuteRequest,
+    count: u64,
+) -> serde_json::Map<String, Value> {
+    let bookkeeping = if cell.stores_history() {
+        record_history_code(count, &cell.code)
     } else {
         String::new()
     };
     let asked = Value::Object(cell.user_expressions.clone());
-    let user_expressions = match link.silent_execute(&bookkeeping, &asked).await {
+    match proxy.link.silent_execute(&bookkeeping, &asked).await {
         Ok(reply) => match reply.get("user_expressions") {
             Some(Value::Object(values)) => values.clone(),
             _ => Default::default(),
@@ -146,12 +193,5 @@ pub async fn execute(
             tracing::warn!("could not record the cell in IPython's history: {e}");
             Default::default()
         }
-    };
-    link.end_cell();
-
-    let outcome = match failure {
-        None => Ok(payload),
-        Some(e) => Err(e),
-    };
-    reply::execute_reply(count, outcome, user_expressions)
+    }
 }

@@ -36,6 +36,26 @@ pub struct Proxy {
 }
 
 impl Proxy {
+    /// The magics run here; Python goes to the child through `link`.
+    fn new(session: Arc<Session>, iopub: Iopub, link: Arc<ChildLink>, child_pid: u32) -> Self {
+        Proxy {
+            session,
+            iopub,
+            engine: Arc::new(Engine {
+                registry: Registry::new(),
+                gpu: GpuState::new(),
+                python: Some(Arc::new(python::ChildPython {
+                    link: link.clone(),
+                    pid: child_pid,
+                    runtime: tokio::runtime::Handle::current(),
+                })),
+            }),
+            link,
+            running: Mutex::new(None),
+            shutting_down: AtomicBool::new(false),
+        }
+    }
+
     fn start_running(&self) -> CancelToken {
         let token = CancelToken::new();
         *self.running.lock().unwrap_or_else(PoisonError::into_inner) = Some(token.clone());
@@ -135,25 +155,15 @@ pub async fn run(
         child_control_send,
     ));
 
-    let proxy = Arc::new(Proxy {
-        session: session.clone(),
-        iopub: iopub.clone(),
-        engine: Arc::new(Engine {
-            registry: Registry::new(),
-            gpu: GpuState::new(),
-            python: Some(Arc::new(python::ChildPython {
-                link: link.clone(),
-                pid: child_pid,
-                runtime: tokio::runtime::Handle::current(),
-            })),
-        }),
-        link: link.clone(),
-        running: Mutex::new(None),
-        shutting_down: AtomicBool::new(false),
-    });
+    let proxy = Arc::new(Proxy::new(
+        session.clone(),
+        iopub.clone(),
+        link.clone(),
+        child_pid,
+    ));
 
     let (front_shell_send, mut front_shell_recv) = channels.shell.split();
-    let (front_control_send, mut front_control_recv) = channels.control.split();
+    let (front_control_send, front_control_recv) = channels.control.split();
     let (front_stdin_send, front_stdin_recv) = channels.stdin.split();
     // The OOM diagnosis under a failed cell (before its idle).
     let watch = after_error::ErrorWatch::new(session.clone(), iopub.clone(), proxy.engine.clone());
@@ -167,52 +177,9 @@ pub async fn run(
     spawn_pipe_to_frontend(child_stdin_recv, front_stdin_send);
     spawn_pipe_to_child(front_stdin_recv, child_stdin_send, session.clone());
 
-    // Child iopub -> ours, filtered (see link::ChildLink::should_forward).
-    let mut child_iopub = sockets.iopub;
-    let iopub_link = link.clone();
-    let iopub_out = iopub.clone();
-    tokio::spawn(async move {
-        while let Ok(frames) = child_iopub.recv().await {
-            match RawMessage::from_zmq(frames) {
-                Ok(msg) if iopub_link.should_forward(&msg) => {
-                    if let Some(msg) = watch.on_iopub(msg) {
-                        iopub_out.send(msg.into_zmq());
-                    }
-                }
-                Ok(_) => {}
-                Err(e) => tracing::warn!("malformed iopub message from the child: {e}"),
-            }
-        }
-    });
-
-    // Control: interrupts also stop our magic; everything goes on to the child.
-    let control_proxy = proxy.clone();
-    tokio::spawn(async move {
-        while let Ok(frames) = front_control_recv.recv().await {
-            let Some((msg, msg_type)) = accept(&control_proxy.session, "control", frames) else {
-                continue;
-            };
-            match msg_type.as_str() {
-                "interrupt_request" => control_proxy.interrupt_magic(),
-                "shutdown_request" => control_proxy.shutting_down.store(true, Ordering::SeqCst),
-                _ => {}
-            }
-            control_proxy.link.forward_control(msg.into_zmq()).await;
-        }
-    });
-
-    // SIGINT (interrupt_mode "signal"): the whole process group gets it, so the child has it
-    // already; we only stop our own magic.
-    let signal_proxy = proxy.clone();
-    tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let Ok(mut sigint) = signal(SignalKind::interrupt()) else {
-            return;
-        };
-        while sigint.recv().await.is_some() {
-            signal_proxy.interrupt_magic();
-        }
-    });
+    spawn_child_iopub(sockets.iopub, link.clone(), watch, iopub.clone());
+    spawn_control(front_control_recv, proxy.clone());
+    spawn_sigint(proxy.clone());
 
     let shell_proxy = proxy.clone();
     let mut shell_send = front_shell_send;
@@ -237,15 +204,7 @@ pub async fn run(
             let why = status
                 .map(|s| s.to_string())
                 .unwrap_or_else(|e| e.to_string());
-            tracing::error!("the Python kernel exited unexpectedly ({why})");
-            iopub.send(session.iopub(
-                None,
-                "stream",
-                &json!({"name": "stderr", "text": format!(
-                    "gpukernel: the Python kernel (pid {child_pid}) exited unexpectedly ({why}). \
-                     gpukernel stops too, so Jupyter restarts both.\n")}),
-            ));
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            tell_child_died(&session, &iopub, child_pid, &why).await;
             anyhow::bail!("the Python kernel exited unexpectedly ({why})");
         }
         Some(_) => {
@@ -258,6 +217,74 @@ pub async fn run(
         }
     }
     Ok(())
+}
+
+/// Child iopub -> ours, filtered (see link::ChildLink::should_forward), the OOM watch seeing
+/// each message on the way.
+fn spawn_child_iopub(
+    mut child_iopub: zeromq::SubSocket,
+    link: Arc<ChildLink>,
+    watch: Arc<after_error::ErrorWatch>,
+    iopub: Iopub,
+) {
+    tokio::spawn(async move {
+        while let Ok(frames) = child_iopub.recv().await {
+            match RawMessage::from_zmq(frames) {
+                Ok(msg) if link.should_forward(&msg) => {
+                    if let Some(msg) = watch.on_iopub(msg) {
+                        iopub.send(msg.into_zmq());
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!("malformed iopub message from the child: {e}"),
+            }
+        }
+    });
+}
+
+/// Control: interrupts also stop our magic; everything goes on to the child.
+fn spawn_control(mut from_frontend: RouterRecvHalf, proxy: Arc<Proxy>) {
+    tokio::spawn(async move {
+        while let Ok(frames) = from_frontend.recv().await {
+            let Some((msg, msg_type)) = accept(&proxy.session, "control", frames) else {
+                continue;
+            };
+            match msg_type.as_str() {
+                "interrupt_request" => proxy.interrupt_magic(),
+                "shutdown_request" => proxy.shutting_down.store(true, Ordering::SeqCst),
+                _ => {}
+            }
+            proxy.link.forward_control(msg.into_zmq()).await;
+        }
+    });
+}
+
+/// SIGINT (interrupt_mode "signal"): the whole process group gets it, so the child has it
+/// already; we only stop our own magic.
+fn spawn_sigint(proxy: Arc<Proxy>) {
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut sigint) = signal(SignalKind::interrupt()) else {
+            return;
+        };
+        while sigint.recv().await.is_some() {
+            proxy.interrupt_magic();
+        }
+    });
+}
+
+/// Says on iopub that the Python kernel died, and gives the message time to leave before
+/// gpukernel exits too.
+async fn tell_child_died(session: &Session, iopub: &Iopub, child_pid: u32, why: &str) {
+    tracing::error!("the Python kernel exited unexpectedly ({why})");
+    iopub.send(session.iopub(
+        None,
+        "stream",
+        &json!({"name": "stderr", "text": format!(
+            "gpukernel: the Python kernel (pid {child_pid}) exited unexpectedly ({why}). \
+             gpukernel stops too, so Jupyter restarts both.\n")}),
+    ));
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
 }
 
 async fn handle_shell(

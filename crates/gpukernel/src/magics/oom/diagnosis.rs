@@ -261,87 +261,128 @@ pub fn diagnose(inputs: &Inputs) -> Diagnosis {
 /// - otherwise the step itself needs less memory: a smaller batch (with accumulation to keep
 ///   the effective batch), a measured one from %maxbatch, mixed precision.
 pub fn suggest(d: &Diagnosis) -> Vec<Suggestion> {
+    let memory = Shortfall::of(d);
     let mut out = Vec::new();
-    let request = d.requested_bytes.unwrap_or(0);
-    let mut free = d
-        .at_oom
-        .free_at_oom
-        .or(d.device.nvml_free_bytes)
-        .unwrap_or(0);
-    // Under set_per_process_memory_fraction, what the cap leaves is what counts.
-    if let Some(allowed) = d.at_oom.allowed_at_oom.or(d.device.cap_bytes) {
-        let used = match (
-            d.at_oom.allocated_at_oom,
-            d.at_oom.reserved_unallocated_at_oom,
-        ) {
-            (Some(a), Some(r)) => a + r,
-            _ => d.device.reserved_bytes.unwrap_or(0),
-        };
-        free = free.min(allowed.saturating_sub(used));
+    let release = release_traceback(d);
+    let release_first = release.is_some();
+    out.extend(release);
+    out.extend(fragmentation(d, &memory));
+    out.extend(stop_processes(d, &memory));
+    out.extend(empty_cache(d, &memory, release_first));
+    out.extend(smaller_batch(d));
+    out.extend(run_maxbatch(d));
+    out.push(mixed_precision());
+    out
+}
+
+/// What the failed request met: how much it asked for, what the device (or the
+/// per-process cap) had free, what the cache held free in pieces, and what was missing.
+struct Shortfall {
+    request: u64,
+    free: u64,
+    cached_free_at_oom: u64,
+    missing: u64,
+}
+
+impl Shortfall {
+    fn of(d: &Diagnosis) -> Self {
+        let request = d.requested_bytes.unwrap_or(0);
+        let mut free = d
+            .at_oom
+            .free_at_oom
+            .or(d.device.nvml_free_bytes)
+            .unwrap_or(0);
+        // Under set_per_process_memory_fraction, what the cap leaves is what counts.
+        if let Some(allowed) = d.at_oom.allowed_at_oom.or(d.device.cap_bytes) {
+            let used = match (
+                d.at_oom.allocated_at_oom,
+                d.at_oom.reserved_unallocated_at_oom,
+            ) {
+                (Some(a), Some(r)) => a + r,
+                _ => d.device.reserved_bytes.unwrap_or(0),
+            };
+            free = free.min(allowed.saturating_sub(used));
+        }
+        let cached_free_at_oom = d.at_oom.reserved_unallocated_at_oom.unwrap_or(0);
+        Shortfall {
+            request,
+            free,
+            cached_free_at_oom,
+            missing: request.saturating_sub(free + cached_free_at_oom),
+        }
     }
 
-    // IPython keeps the failed cell's traceback, and every frame's tensors with it: running
-    // the cell again with them alive needs that much more.
-    let held = d.traceback_bytes.max(d.device.unnamed_bytes.unwrap_or(0));
-    let release_first = d.has_traceback && held >= WORTH_RELEASING;
-    if release_first {
-        out.push(Suggestion {
-            action: Action::ClearTraceback {
-                command: "%oom --release".into(),
-                bytes: held,
-            },
-            text: format!(
-                "First, `%oom --release`: IPython keeps the failed cell's traceback, and with it \
-                 about {} of GPU memory no variable of yours reaches (the step's partial \
-                 activations and their autograd graph); run again as is, the cell starts with \
-                 that much less. It returns the cache too.",
-                human_bytes(held)
-            ),
-        });
+    /// Whether `bytes` more would have made up what was missing (or nothing was).
+    fn covered_by(&self, bytes: u64) -> bool {
+        self.missing == 0 || bytes >= self.missing
     }
-    let cached_free_at_oom = d.at_oom.reserved_unallocated_at_oom.unwrap_or(0);
-    let shortfall = request.saturating_sub(free + cached_free_at_oom);
+}
+
+/// IPython keeps the failed cell's traceback, and every frame's tensors with it: running
+/// the cell again with them alive needs that much more.
+fn release_traceback(d: &Diagnosis) -> Option<Suggestion> {
+    let held = d.traceback_bytes.max(d.device.unnamed_bytes.unwrap_or(0));
+    (d.has_traceback && held >= WORTH_RELEASING).then(|| Suggestion {
+        action: Action::ClearTraceback {
+            command: "%oom --release".into(),
+            bytes: held,
+        },
+        text: format!(
+            "First, `%oom --release`: IPython keeps the failed cell's traceback, and with it \
+             about {} of GPU memory no variable of yours reaches (the step's partial \
+             activations and their autograd graph); run again as is, the cell starts with \
+             that much less. It returns the cache too.",
+            human_bytes(held)
+        ),
+    })
+}
+
+/// At the OOM the allocator had already returned its wholly free segments and retried, so
+/// what it still held free then (the message's figure) is memory in pieces: fragmentation
+/// when it would have covered the request. After the cell the failed step's memory is back
+/// in the cache, so today's figures decide only when the message has none.
+fn fragmentation(d: &Diagnosis, memory: &Shortfall) -> Option<Suggestion> {
+    let request = memory.request;
     let expandable_on = d
         .alloc_conf
         .as_deref()
         .is_some_and(|c| c.replace(' ', "").contains("expandable_segments:True"));
-
-    // At the OOM the allocator had already returned its wholly free segments and retried, so
-    // what it still held free then (the message's figure) is memory in pieces: fragmentation
-    // when it would have covered the request. After the cell the failed step's memory is back
-    // in the cache, so today's figures decide only when the message has none.
-    let fragmented_at_oom = request > 0 && cached_free_at_oom >= request;
-    let from_message = d.at_oom.reserved_unallocated_at_oom.is_some();
+    let fragmented_at_oom = request > 0 && memory.cached_free_at_oom >= request;
     let fragmented_now = matches!(
         (d.device.reclaimable_bytes, d.device.largest_free_block_bytes),
         (Some(reclaimable), Some(largest)) if request > 0 && reclaimable >= request && largest < request
     );
-    let fragmented = if from_message {
+    let fragmented = if d.at_oom.reserved_unallocated_at_oom.is_some() {
         fragmented_at_oom
     } else {
         fragmented_now
     };
-    if fragmented && !expandable_on {
-        let held = if fragmented_at_oom {
-            cached_free_at_oom
-        } else {
-            d.device.reclaimable_bytes.unwrap_or(0)
-        };
-        out.push(Suggestion {
-            action: Action::ExpandableSegments {
-                env: EXPANDABLE.into(),
-            },
-            text: format!(
-                "Fragmentation: PyTorch held {} free in its cache but no block of {}. Restart the \
-                 kernel with {EXPANDABLE} set (in the kernel's environment, or \
-                 `os.environ[\"PYTORCH_CUDA_ALLOC_CONF\"] = \"expandable_segments:True\"` before \
-                 torch first uses CUDA) so freed pieces can be joined.",
-                human_bytes(held),
-                human_bytes(request)
-            ),
-        });
+    if !fragmented || expandable_on {
+        return None;
     }
+    let held = if fragmented_at_oom {
+        memory.cached_free_at_oom
+    } else {
+        d.device.reclaimable_bytes.unwrap_or(0)
+    };
+    Some(Suggestion {
+        action: Action::ExpandableSegments {
+            env: EXPANDABLE.into(),
+        },
+        text: format!(
+            "Fragmentation: PyTorch held {} free in its cache but no block of {}. Restart the \
+             kernel with {EXPANDABLE} set (in the kernel's environment, or \
+             `os.environ[\"PYTORCH_CUDA_ALLOC_CONF\"] = \"expandable_segments:True\"` before \
+             torch first uses CUDA) so freed pieces can be joined.",
+            human_bytes(held),
+            human_bytes(request)
+        ),
+    })
+}
 
+/// The user's other processes on this GPU, stale ones first, when stopping them would make
+/// up what was missing.
+fn stop_processes(d: &Diagnosis, memory: &Shortfall) -> Vec<Suggestion> {
     let mut others: Vec<&ProcessView> = d
         .processes
         .iter()
@@ -350,13 +391,17 @@ pub fn suggest(d: &Diagnosis) -> Vec<Suggestion> {
         .collect();
     others.sort_by_key(|p| (p.stale.is_none(), std::cmp::Reverse(p.used_memory)));
     let others_total: u64 = others.iter().filter_map(|p| p.used_memory).sum();
-    if !others.is_empty() && (shortfall == 0 || others_total >= shortfall) {
-        for p in others {
+    if others.is_empty() || !memory.covered_by(others_total) {
+        return Vec::new();
+    }
+    others
+        .into_iter()
+        .map(|p| {
             let why = match &p.stale {
                 Some(reason) => format!("stale ({reason})"),
                 None => "another of your processes".into(),
             };
-            out.push(Suggestion {
+            Suggestion {
                 action: Action::StopProcess { pid: p.pid },
                 text: format!(
                     "Stop pid {} ({why}, {}): it holds {} of this GPU. `kill {}` (or shut its \
@@ -366,46 +411,52 @@ pub fn suggest(d: &Diagnosis) -> Vec<Suggestion> {
                     human_bytes(p.used_memory.unwrap_or(0)),
                     p.pid
                 ),
-            });
-        }
-    }
+            }
+        })
+        .collect()
+}
 
+/// %emptycache, when gpukernel's own libtorch holds enough, or when the cache's empty blocks
+/// with what is free cover the request (and the traceback's release, which returns the cache
+/// too, is not already the first step).
+fn empty_cache(d: &Diagnosis, memory: &Shortfall, release_first: bool) -> Option<Suggestion> {
     let own = d
         .processes
         .iter()
         .find(|p| p.role == Role::ThisGpukernel)
         .and_then(|p| p.used_memory)
         .unwrap_or(0);
-    if own > 0 && (shortfall == 0 || own >= shortfall) {
-        out.push(Suggestion {
-            action: Action::EmptyCache {
-                command: "%emptycache".into(),
-            },
+    let action = Action::EmptyCache {
+        command: "%emptycache".into(),
+    };
+    if own > 0 && memory.covered_by(own) {
+        return Some(Suggestion {
+            action,
             text: format!(
                 "Run %emptycache: gpukernel's own libtorch (from %maxbatch) holds {} of this \
                  GPU, and %emptycache returns its cache with the Python kernel's.",
                 human_bytes(own)
             ),
         });
-    } else if d.device.releasable_bytes.unwrap_or(0) + free >= request
-        && request > 0
-        && !release_first
-        && shortfall == 0
-    {
-        out.push(Suggestion {
-            action: Action::EmptyCache {
-                command: "%emptycache".into(),
-            },
-            text: format!(
-                "Run %emptycache: {} of cached blocks with nothing in them would go back to the \
-                 driver, which with {} free covers the {} asked for.",
-                human_bytes(d.device.releasable_bytes.unwrap_or(0)),
-                human_bytes(free),
-                human_bytes(request)
-            ),
-        });
     }
+    let releasable = d.device.releasable_bytes.unwrap_or(0);
+    let covers =
+        releasable + memory.free >= memory.request && memory.request > 0 && memory.missing == 0;
+    (covers && !release_first).then(|| Suggestion {
+        action,
+        text: format!(
+            "Run %emptycache: {} of cached blocks with nothing in them would go back to the \
+             driver, which with {} free covers the {} asked for.",
+            human_bytes(releasable),
+            human_bytes(memory.free),
+            human_bytes(memory.request)
+        ),
+    })
+}
 
+/// A batch that fits: %maxbatch's recommendation from this session when there is one (with
+/// the accumulation that keeps the effective batch), else half the batch, accumulated twice.
+fn smaller_batch(d: &Diagnosis) -> Option<Suggestion> {
     let batch = d.batch.as_ref().map(|b| b.size);
     match (&d.maxbatch, batch) {
         (Some(note), _) if note.recommended.is_some() => {
@@ -420,7 +471,7 @@ pub fn suggest(d: &Diagnosis) -> Vec<Suggestion> {
                 ),
                 _ => String::new(),
             };
-            out.push(Suggestion {
+            Some(Suggestion {
                 action: Action::UseBatch {
                     batch: batch.map(|b| b.div_ceil(steps)).unwrap_or(rec).min(rec),
                     accumulation_steps: steps,
@@ -433,11 +484,11 @@ pub fn suggest(d: &Diagnosis) -> Vec<Suggestion> {
                         .map(|m| m.to_string())
                         .unwrap_or_else(|| "?".into())
                 ),
-            });
+            })
         }
         (_, Some(b)) if b >= 2 => {
             let half = b.div_ceil(2);
-            out.push(Suggestion {
+            Some(Suggestion {
                 action: Action::GradientAccumulation {
                     from: b,
                     batch: half,
@@ -452,32 +503,35 @@ pub fn suggest(d: &Diagnosis) -> Vec<Suggestion> {
                         None => String::new(),
                     }
                 ),
-            });
+            })
         }
-        _ => {}
+        _ => None,
     }
-    if d.maxbatch.is_none() {
-        if let Some(model) = &d.model {
-            out.push(Suggestion {
-                action: Action::RunMaxbatch {
-                    command: format!("%maxbatch {model}"),
-                },
-                text: format!(
-                    "Run `%maxbatch {model}` for the largest batch whose full training step \
-                     fits (a few real steps, your state kept)."
-                ),
-            });
-        }
-    }
-    out.push(Suggestion {
+}
+
+/// `%maxbatch MODEL` when the model is known and this session has not sized it yet.
+fn run_maxbatch(d: &Diagnosis) -> Option<Suggestion> {
+    let model = d.model.as_ref().filter(|_| d.maxbatch.is_none())?;
+    Some(Suggestion {
+        action: Action::RunMaxbatch {
+            command: format!("%maxbatch {model}"),
+        },
+        text: format!(
+            "Run `%maxbatch {model}` for the largest batch whose full training step fits (a \
+             few real steps, your state kept)."
+        ),
+    })
+}
+
+fn mixed_precision() -> Suggestion {
+    Suggestion {
         action: Action::MixedPrecision {
             code: "with torch.autocast('cuda', dtype=torch.bfloat16): loss = ...".into(),
         },
         text: "If the step runs in fp32: mixed precision (`torch.autocast(\"cuda\", \
                dtype=torch.bfloat16)` around forward and loss) roughly halves activation memory."
             .into(),
-    });
-    out
+    }
 }
 
 fn short(command: &str) -> &str {
