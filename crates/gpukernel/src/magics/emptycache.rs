@@ -1,12 +1,13 @@
 //! `%emptycache`: give cached GPU memory back, in the Python kernel and in gpukernel, and say
 //! what was freed and what cannot be.
 
-use super::python::TorchState;
+use super::python::{PythonKernel, TorchState};
 use super::{bundle, html_escape, parse_args, Magic, MagicContext, MagicError, Output};
 use clap::{CommandFactory, Parser};
 use gpuprobe::units::human_bytes;
 use gpuprobe::GpuSnapshot;
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::Value;
 
 /// Release cached, unused GPU memory (torch's caching allocator) in the Python kernel and in
 /// gpukernel, and report what was freed and what remains.
@@ -41,12 +42,129 @@ fn totals(state: &TorchState) -> (u64, u64) {
 }
 
 /// One process's line in the report.
+#[derive(Serialize)]
 struct Row {
     who: String,
     pid: u32,
     before: Option<u64>,
     after: Option<u64>,
     note: String,
+}
+
+/// What `%emptycache` says (`--json` gives it as is).
+#[derive(Serialize)]
+struct Report {
+    freed_bytes: u64,
+    processes: Vec<Row>,
+    remains: Vec<String>,
+}
+
+impl Report {
+    fn text(&self) -> String {
+        let mut text = format!(
+            "Freed {} of GPU memory.\n\n{:<14} {:>8} {:>10} {:>10}  notes\n",
+            human_bytes(self.freed_bytes),
+            "process",
+            "pid",
+            "before",
+            "after"
+        );
+        let shown = |v: Option<u64>| v.map(human_bytes).unwrap_or_else(|| "-".into());
+        for r in &self.processes {
+            text.push_str(&format!(
+                "{:<14} {:>8} {:>10} {:>10}  {}\n",
+                r.who,
+                r.pid,
+                shown(r.before),
+                shown(r.after),
+                r.note
+            ));
+        }
+        if !self.remains.is_empty() {
+            text.push_str("\nWhat remains:\n");
+            for line in &self.remains {
+                text.push_str(&format!("  - {line}\n"));
+            }
+        }
+        text
+    }
+}
+
+/// Empties the Python kernel's cache (where torch has a CUDA context there) and says what its
+/// allocator held before and after; live tensors left are added to `remains`.
+fn empty_python(python: &dyn PythonKernel, remains: &mut Vec<String>) -> Result<Row, MagicError> {
+    let before = python.torch().map_err(|e| {
+        MagicError::new("KernelError", format!("cannot read the Python kernel: {e}"))
+    })?;
+    let note = if !before.imported {
+        "torch is not imported in the Python kernel: nothing is cached there".to_string()
+    } else if !before.cuda_initialized {
+        "torch has not initialised CUDA in the Python kernel: nothing is cached there".to_string()
+    } else {
+        python.empty_cache().map_err(|e| {
+            MagicError::new(
+                "KernelError",
+                format!("empty_cache in the Python kernel failed: {e}"),
+            )
+        })?;
+        let after = python
+            .torch()
+            .map_err(|e| MagicError::new("KernelError", e))?;
+        let (alloc_before, reserved_before) = totals(&before);
+        let (alloc_after, reserved_after) = totals(&after);
+        if alloc_after > 0 {
+            remains.push(format!(
+                "{} held by live tensors in the Python kernel: `del` them (and drop references such as optimizer state or `_`/`Out`) to free it",
+                human_bytes(alloc_after)
+            ));
+        }
+        format!(
+            "allocator reserved {} -> {}, allocated {} -> {}",
+            human_bytes(reserved_before),
+            human_bytes(reserved_after),
+            human_bytes(alloc_before),
+            human_bytes(alloc_after)
+        )
+    };
+    Ok(Row {
+        who: "Python kernel".into(),
+        pid: python.pid(),
+        before: None,
+        after: None,
+        note,
+    })
+}
+
+/// Fills each row's NVML figures before and after; returns the bytes freed over all rows,
+/// and adds what each process still holds to `remains`.
+fn measure(
+    rows: &mut [Row],
+    before: &Option<GpuSnapshot>,
+    after: &Option<GpuSnapshot>,
+    remains: &mut Vec<String>,
+) -> u64 {
+    let mut freed_total: i64 = 0;
+    for row in rows {
+        row.before = process_memory(before, row.pid);
+        row.after = process_memory(after, row.pid);
+        if let (Some(b), Some(a)) = (row.before, row.after) {
+            freed_total += b as i64 - a as i64;
+        }
+        if let Some(held) = row.after.filter(|a| *a > 0) {
+            remains.push(format!(
+                "{} still held by {} (pid {}): its CUDA context and library workspaces, which only a restart of that process gives back, plus any live tensors",
+                human_bytes(held),
+                row.who,
+                row.pid
+            ));
+        }
+    }
+    if before.is_none() {
+        remains.push(
+            "No NVIDIA GPU is visible here (no driver): process memory cannot be measured.".into(),
+        );
+    }
+    freed_total.max(0) as u64
 }
 
 impl Magic for EmptyCache {
@@ -69,126 +187,34 @@ impl Magic for EmptyCache {
         let nvml_before = ctx.gpu.snapshot().ok();
         let mut rows: Vec<Row> = Vec::new();
         let mut remains: Vec<String> = Vec::new();
-
         if let Some(python) = ctx.python {
-            let pid = python.pid();
-            let before_state = python.torch().map_err(|e| {
-                MagicError::new("KernelError", format!("cannot read the Python kernel: {e}"))
-            })?;
-            let note = if !before_state.imported {
-                "torch is not imported in the Python kernel: nothing is cached there".to_string()
-            } else if !before_state.cuda_initialized {
-                "torch has not initialised CUDA in the Python kernel: nothing is cached there"
-                    .to_string()
-            } else {
-                python.empty_cache().map_err(|e| {
-                    MagicError::new(
-                        "KernelError",
-                        format!("empty_cache in the Python kernel failed: {e}"),
-                    )
-                })?;
-                let after_state = python
-                    .torch()
-                    .map_err(|e| MagicError::new("KernelError", e))?;
-                let (alloc_before, reserved_before) = totals(&before_state);
-                let (alloc_after, reserved_after) = totals(&after_state);
-                if alloc_after > 0 {
-                    remains.push(format!(
-                        "{} held by live tensors in the Python kernel: `del` them (and drop references such as optimizer state or `_`/`Out`) to free it",
-                        human_bytes(alloc_after)
-                    ));
-                }
-                format!(
-                    "allocator reserved {} -> {}, allocated {} -> {}",
-                    human_bytes(reserved_before),
-                    human_bytes(reserved_after),
-                    human_bytes(alloc_before),
-                    human_bytes(alloc_after)
-                )
-            };
-            rows.push(Row {
-                who: "Python kernel".into(),
-                pid,
-                before: None,
-                after: None,
-                note,
-            });
+            rows.push(empty_python(python, &mut remains)?);
         }
-
-        let own = ctx.gpu.empty_own_cache();
         rows.push(Row {
             who: "gpukernel".into(),
             pid: std::process::id(),
             before: None,
             after: None,
-            note: own,
+            note: ctx.gpu.empty_own_cache(),
         });
-
         let nvml_after = ctx.gpu.snapshot().ok();
-        let mut freed_total: i64 = 0;
-        for row in &mut rows {
-            row.before = process_memory(&nvml_before, row.pid);
-            row.after = process_memory(&nvml_after, row.pid);
-            if let (Some(b), Some(a)) = (row.before, row.after) {
-                freed_total += b as i64 - a as i64;
-            }
-            if let Some(after) = row.after.filter(|a| *a > 0) {
-                remains.push(format!(
-                    "{} still held by {} (pid {}): its CUDA context and library workspaces, which only a restart of that process gives back, plus any live tensors",
-                    human_bytes(after),
-                    row.who,
-                    row.pid
-                ));
-            }
-        }
-        if nvml_before.is_none() {
-            remains.push(
-                "No NVIDIA GPU is visible here (no driver): process memory cannot be measured."
-                    .into(),
-            );
-        }
-
-        let report = json!({
-            "freed_bytes": freed_total.max(0),
-            "processes": rows.iter().map(|r| json!({
-                "who": r.who, "pid": r.pid, "before": r.before, "after": r.after, "note": r.note,
-            })).collect::<Vec<Value>>(),
-            "remains": remains,
-        });
+        let freed_bytes = measure(&mut rows, &nvml_before, &nvml_after, &mut remains);
+        let report = Report {
+            freed_bytes,
+            processes: rows,
+            remains,
+        };
         if args.json {
+            let value = serde_json::to_value(&report).unwrap_or(Value::Null);
             let mut data = bundle(
-                serde_json::to_string_pretty(&report).unwrap_or_default(),
+                serde_json::to_string_pretty(&value).unwrap_or_default(),
                 None,
             );
-            data.insert("application/json".into(), report);
+            data.insert("application/json".into(), value);
             ctx.out.emit(Output::Result { data });
             return Ok(());
         }
-        let mut text = format!(
-            "Freed {} of GPU memory.\n\n{:<14} {:>8} {:>10} {:>10}  notes\n",
-            human_bytes(freed_total.max(0) as u64),
-            "process",
-            "pid",
-            "before",
-            "after"
-        );
-        let shown = |v: Option<u64>| v.map(human_bytes).unwrap_or_else(|| "-".into());
-        for r in &rows {
-            text.push_str(&format!(
-                "{:<14} {:>8} {:>10} {:>10}  {}\n",
-                r.who,
-                r.pid,
-                shown(r.before),
-                shown(r.after),
-                r.note
-            ));
-        }
-        if !remains.is_empty() {
-            text.push_str("\nWhat remains:\n");
-            for line in &remains {
-                text.push_str(&format!("  - {line}\n"));
-            }
-        }
+        let text = report.text();
         let html = format!("<pre>{}</pre>", html_escape(&text));
         ctx.out.emit(Output::Display {
             data: bundle(text, Some(html)),

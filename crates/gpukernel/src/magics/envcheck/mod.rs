@@ -218,6 +218,72 @@ fn driver_facts(ctx: &MagicContext) -> DriverFacts {
     facts
 }
 
+/// The Python to check, what the report calls it, and the python on PATH when that is
+/// another one (the notebook's own is checked first; the magics-only kernel has only PATH's).
+fn which_python(
+    session: Option<&Result<SessionFacts, String>>,
+) -> (Option<PathBuf>, String, Option<String>) {
+    let on_path = python_on_path();
+    match session {
+        Some(Ok(s)) => (
+            Some(PathBuf::from(&s.executable)),
+            format!("the notebook's own Python, {}", s.executable),
+            on_path.as_ref().map(|p| p.display().to_string()),
+        ),
+        Some(Err(e)) => (
+            on_path,
+            format!("the env's python on PATH (the notebook's could not be read: {e})"),
+            None,
+        ),
+        None => {
+            let checked = match &on_path {
+                Some(p) => format!(
+                    "the env's python on PATH, {} (magics-only kernel)",
+                    p.display()
+                ),
+                None => "no python on PATH (magics-only kernel)".into(),
+            };
+            (on_path, checked, None)
+        }
+    }
+}
+
+/// `--export FILE`: the env as pinned requirements or a conda environment.yml. Returns what
+/// was written, or the message of the error the cell ends with.
+fn write_export(
+    file: Option<&Path>,
+    session: &Option<SessionFacts>,
+    probe: &Option<ProbeFacts>,
+) -> Result<Option<String>, String> {
+    let Some(file) = file else {
+        return Ok(None);
+    };
+    // A relative FILE is the notebook's: its working directory, not gpukernel's.
+    let file = match session.as_ref().and_then(|s| s.cwd.as_deref()) {
+        Some(cwd) if file.is_relative() => Path::new(cwd).join(file),
+        _ => file.to_path_buf(),
+    };
+    let Some(p) = probe else {
+        return Err(format!(
+            "%envcheck --export {}: no Python environment could be read",
+            file.display()
+        ));
+    };
+    let format = export::Format::for_file(&file, &p.env.kind);
+    export::render(format, p)
+        .and_then(|text| std::fs::write(&file, text).map_err(|e| e.to_string()))
+        .map_err(|e| format!("%envcheck --export {}: {e}", file.display()))?;
+    Ok(Some(format!(
+        "wrote {} ({}, {} packages)",
+        file.display(),
+        match format {
+            export::Format::Requirements => "pinned requirements",
+            export::Format::CondaYaml => "conda environment.yml",
+        },
+        p.freeze.as_ref().map(|f| f.lines.len()).unwrap_or(0)
+    )))
+}
+
 impl Magic for EnvCheck {
     fn name(&self) -> &'static str {
         "envcheck"
@@ -236,30 +302,7 @@ impl Magic for EnvCheck {
             return Ok(());
         };
         let session = session_facts(ctx);
-        let on_path = python_on_path();
-        let (python, checked, path_python) = match &session {
-            Some(Ok(s)) => (
-                Some(PathBuf::from(&s.executable)),
-                format!("the notebook's own Python, {}", s.executable),
-                on_path.as_ref().map(|p| p.display().to_string()),
-            ),
-            Some(Err(e)) => (
-                on_path.clone(),
-                format!("the env's python on PATH (the notebook's could not be read: {e})"),
-                None,
-            ),
-            None => (
-                on_path.clone(),
-                match &on_path {
-                    Some(p) => format!(
-                        "the env's python on PATH, {} (magics-only kernel)",
-                        p.display()
-                    ),
-                    None => "no python on PATH (magics-only kernel)".into(),
-                },
-                None,
-            ),
-        };
+        let (python, checked, path_python) = which_python(session.as_ref());
         let session = session.and_then(Result::ok);
         let probe = python
             .as_deref()
@@ -295,43 +338,9 @@ impl Magic for EnvCheck {
                 },
             );
         }
-        let mut export_error = None;
-        // A relative FILE is the notebook's: its working directory, not gpukernel's.
-        let export_file = args.export.as_ref().map(|file| {
-            match session.as_ref().and_then(|s| s.cwd.as_deref()) {
-                Some(cwd) if file.is_relative() => Path::new(cwd).join(file),
-                _ => file.clone(),
-            }
-        });
-        let export = match (&export_file, &probe) {
-            (Some(file), Some(p)) => {
-                let format = export::Format::for_file(file, &p.env.kind);
-                match export::render(format, p)
-                    .and_then(|text| std::fs::write(file, text).map_err(|e| e.to_string()))
-                {
-                    Ok(()) => Some(format!(
-                        "wrote {} ({}, {} packages)",
-                        file.display(),
-                        match format {
-                            export::Format::Requirements => "pinned requirements",
-                            export::Format::CondaYaml => "conda environment.yml",
-                        },
-                        p.freeze.as_ref().map(|f| f.lines.len()).unwrap_or(0)
-                    )),
-                    Err(e) => {
-                        export_error = Some(format!("%envcheck --export {}: {e}", file.display()));
-                        None
-                    }
-                }
-            }
-            (Some(file), None) => {
-                export_error = Some(format!(
-                    "%envcheck --export {}: no Python environment could be read",
-                    file.display()
-                ));
-                None
-            }
-            _ => None,
+        let (export, export_error) = match write_export(args.export.as_deref(), &session, &probe) {
+            Ok(written) => (written, None),
+            Err(e) => (None, Some(e)),
         };
         let report = Report {
             kernel: if ctx.python.is_some() {
