@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::cli::{App, DoctorArgs};
 use crate::config::{self, LocalUser, Sources, Target};
-use crate::connect::{ConnectError, HostKeyError};
+use crate::connect::{ConnectError, Handle, HostKeyError};
 use crate::exit::{Exit, HasExit};
 use crate::remote::{Event, LaunchSpec, Launcher};
 use crate::route::{self, Passed, RouteError};
@@ -77,74 +77,8 @@ fn hop_label(route: &[Target], i: usize) -> String {
 
 pub async fn run(args: DoctorArgs) -> Result<(), DoctorError> {
     let r = Report;
-    let config_fail = |e: &dyn HasExitDisplay| {
-        r.fail(
-            "config",
-            e.text(),
-            "fix the ssh config (-F CONFIG, else ~/.ssh/config) or the host argument",
-            e.code(),
-        )
-    };
-    let local = LocalUser::current().map_err(|e| config_fail(&e))?;
-    let sources = Sources::new(args.config.as_deref(), &local.home);
-    let ssh_config = config::load(&sources, &local).map_err(|e| config_fail(&e))?;
-    let route = config::resolve_route(&ssh_config, &args.host, &local, args.jump.as_deref())
-        .map_err(|e| config_fail(&e))?;
-    let Some(target) = route.last().cloned() else {
-        return Err(r.fail(
-            "config",
-            "no host to connect to",
-            "give a host alias or name",
-            Exit::Usage,
-        ));
-    };
-    let via: Vec<&str> = route[..route.len() - 1]
-        .iter()
-        .map(|t| t.alias.as_str())
-        .collect();
-    r.ok(
-        "config",
-        format!(
-            "{} is {}@{} port {}{}",
-            args.host,
-            target.user,
-            target.host_name,
-            target.port,
-            if via.is_empty() {
-                String::new()
-            } else {
-                format!(", via {}", via.join(" -> "))
-            }
-        ),
-    );
-
-    // Which hop the next step belongs to, from the last step that passed.
-    let mut last: Option<(usize, Passed)> = None;
-    let opened = route::open_reporting(&route, false, |i, step| {
-        let label = hop_label(&route, i);
-        match step {
-            Passed::Connected => {
-                r.ok("connect", &label);
-                r.ok("host key", format!("{label}: matches known_hosts"));
-            }
-            Passed::Authenticated => r.ok("auth", &label),
-        }
-        last = Some((i, step));
-    })
-    .await;
-    let handle = match opened {
-        Ok(h) => h,
-        Err(e) => {
-            let hop = match last {
-                None => 0,
-                Some((i, Passed::Connected)) => i,
-                Some((i, Passed::Authenticated)) => i + 1,
-            };
-            let label = hop_label(&route, hop.min(route.len() - 1));
-            return Err(route_failure(&r, &label, &e));
-        }
-    };
-
+    let route = resolve(&r, &args)?;
+    let handle = open(&r, &route).await?;
     let spec = LaunchSpec {
         app: App::Server,
         env: args.env.clone(),
@@ -176,6 +110,78 @@ pub async fn run(args: DoctorArgs) -> Result<(), DoctorError> {
             Exit::Timeout,
         )),
     }
+}
+
+/// The ssh config's route to the host (jump hosts first), reported as the "config" check.
+fn resolve(r: &Report, args: &DoctorArgs) -> Result<Vec<Target>, DoctorError> {
+    let config_fail = |e: &dyn HasExitDisplay| {
+        r.fail(
+            "config",
+            e.text(),
+            "fix the ssh config (-F CONFIG, else ~/.ssh/config) or the host argument",
+            e.code(),
+        )
+    };
+    let local = LocalUser::current().map_err(|e| config_fail(&e))?;
+    let sources = Sources::new(args.config.as_deref(), &local.home);
+    let ssh_config = config::load(&sources, &local).map_err(|e| config_fail(&e))?;
+    let route = config::resolve_route(&ssh_config, &args.host, &local, args.jump.as_deref())
+        .map_err(|e| config_fail(&e))?;
+    let Some(target) = route.last() else {
+        return Err(r.fail(
+            "config",
+            "no host to connect to",
+            "give a host alias or name",
+            Exit::Usage,
+        ));
+    };
+    let via: Vec<&str> = route[..route.len() - 1]
+        .iter()
+        .map(|t| t.alias.as_str())
+        .collect();
+    r.ok(
+        "config",
+        format!(
+            "{} is {}@{} port {}{}",
+            args.host,
+            target.user,
+            target.host_name,
+            target.port,
+            if via.is_empty() {
+                String::new()
+            } else {
+                format!(", via {}", via.join(" -> "))
+            }
+        ),
+    );
+    Ok(route)
+}
+
+/// Connects hop by hop, reporting each connection, host key and login; a failure is put on
+/// the hop whose step came next.
+async fn open(r: &Report, route: &[Target]) -> Result<Handle, DoctorError> {
+    let mut last: Option<(usize, Passed)> = None;
+    let opened = route::open_reporting(route, false, |i, step| {
+        let label = hop_label(route, i);
+        match step {
+            Passed::Connected => {
+                r.ok("connect", &label);
+                r.ok("host key", format!("{label}: matches known_hosts"));
+            }
+            Passed::Authenticated => r.ok("auth", &label),
+        }
+        last = Some((i, step));
+    })
+    .await;
+    opened.map_err(|e| {
+        let hop = match last {
+            None => 0,
+            Some((i, Passed::Connected)) => i,
+            Some((i, Passed::Authenticated)) => i + 1,
+        };
+        let label = hop_label(route, hop.min(route.len() - 1));
+        route_failure(r, &label, &e)
+    })
 }
 
 /// Errors whose message and exit code the report shows.
@@ -264,9 +270,53 @@ struct Remote<'a> {
     args: &'a DoctorArgs,
     /// Every stage before this one has been reported.
     next: Stage,
+    /// The remote shell started (its runtime dir came back).
+    shell_up: bool,
+    /// nvidia-smi's lines so far.
+    gpus: Vec<String>,
 }
 
 impl Remote<'_> {
+    /// One line of the remote checks' output; true at the last one.
+    fn check(&mut self, line: &str) -> bool {
+        let (word, rest) = line.split_once(' ').unwrap_or((line, ""));
+        match word {
+            "shell" => {
+                self.reach(Stage::Jupyter);
+                tracing::debug!("remote login shell {rest}");
+            }
+            "jupyter" => {
+                self.reach(Stage::Jupyter);
+                self.r.ok("jupyter", rest);
+                self.next = Stage::Gpu;
+            }
+            "gpu" => self.gpus.push(rest.to_string()),
+            "gpu-done" => {
+                let shown = if self.gpus.is_empty() {
+                    "nvidia-smi lists no GPU".to_string()
+                } else {
+                    self.gpus.join("; ")
+                };
+                self.r.ok("gpu", shown);
+            }
+            "gpu-absent" => self.r.ok(
+                "gpu",
+                "no nvidia-smi on the remote PATH: no NVIDIA GPU visible (fine for \
+                 CPU work; on a cluster, a GPU node or --init 'module load cuda' may be needed)",
+            ),
+            "gpu-failed" => self.r.note(
+                "gpu",
+                format!(
+                    "nvidia-smi is there but failed: {rest} (driver not loaded, or no \
+                     GPU allocated to this session)"
+                ),
+            ),
+            "done" => return true,
+            _ => tracing::debug!("remote check {line}"),
+        }
+        false
+    }
+
     /// Report the stages before `stage` that passed without their own
     /// event (no --init given, or --init ran fine).
     fn reach(&mut self, stage: Stage) {
@@ -300,15 +350,15 @@ async fn remote_checks(
         r,
         args,
         next: Stage::Shell,
+        shell_up: false,
+        gpus: Vec::new(),
     };
-    let mut shell_up = false;
-    let mut gpus: Vec<String> = Vec::new();
     let mut status = None;
     loop {
         let ev = launcher.events.recv().await.unwrap_or(Event::Closed);
         match ev {
             Event::Runtime(dir) => {
-                shell_up = true;
+                st.shell_up = true;
                 r.ok(
                     "remote shell",
                     format!("/bin/sh runs; private runtime dir {dir}"),
@@ -321,40 +371,8 @@ async fn remote_checks(
                 st.next = Stage::Jupyter;
             }
             Event::Check(c) => {
-                let (word, rest) = c.split_once(' ').unwrap_or((c.as_str(), ""));
-                match word {
-                    "shell" => {
-                        st.reach(Stage::Jupyter);
-                        tracing::debug!("remote login shell {rest}");
-                    }
-                    "jupyter" => {
-                        st.reach(Stage::Jupyter);
-                        r.ok("jupyter", rest);
-                        st.next = Stage::Gpu;
-                    }
-                    "gpu" => gpus.push(rest.to_string()),
-                    "gpu-done" => {
-                        let shown = if gpus.is_empty() {
-                            "nvidia-smi lists no GPU".to_string()
-                        } else {
-                            gpus.join("; ")
-                        };
-                        r.ok("gpu", shown);
-                    }
-                    "gpu-absent" => r.ok(
-                        "gpu",
-                        "no nvidia-smi on the remote PATH: no NVIDIA GPU visible (fine for \
-                         CPU work; on a cluster, a GPU node or --init 'module load cuda' may be needed)",
-                    ),
-                    "gpu-failed" => r.note(
-                        "gpu",
-                        format!(
-                            "nvidia-smi is there but failed: {rest} (driver not loaded, or no \
-                             GPU allocated to this session)"
-                        ),
-                    ),
-                    "done" => return Ok(()),
-                    _ => tracing::debug!("remote check {c}"),
+                if st.check(&c) {
+                    return Ok(());
                 }
             }
             Event::Error { kind, message } => {
@@ -364,43 +382,13 @@ async fn remote_checks(
                 } else {
                     format!("{message}\n{}", log.join("\n"))
                 };
-                let (stage, todo, exit) = match kind.as_str() {
-                    "init" => (
-                        Stage::Init,
-                        "run the --init command by hand after `ssh HOST` to see why it fails",
-                        Exit::RemoteSetup,
-                    ),
-                    "env" => (
-                        Stage::Env,
-                        "give --env a venv or conda prefix path, or a name from \
-                         `conda env list` on the remote",
-                        Exit::RemoteSetup,
-                    ),
-                    "jupyter-missing" => (
-                        Stage::Jupyter,
-                        "pip install jupyterlab into the remote environment, or point --env \
-                         at the one that has it",
-                        Exit::JupyterMissing,
-                    ),
-                    "jupyter-broken" => (
-                        Stage::Jupyter,
-                        "reinstall jupyter in that environment (pip install --force-reinstall \
-                         jupyterlab)",
-                        Exit::JupyterFailed,
-                    ),
-                    _ => (
-                        Stage::Shell,
-                        "check the remote's /tmp (or $TMPDIR, $XDG_RUNTIME_DIR): it must be \
-                         writable",
-                        Exit::RemoteSetup,
-                    ),
-                };
+                let (stage, todo, exit) = remote_failure(&kind);
                 st.reach(stage);
                 return Err(r.fail(stage.name(), why, todo, exit));
             }
             Event::Status(s) => status = Some(s),
             Event::Closed | Event::Signal(_) => {
-                let stage = if shell_up { st.next } else { Stage::Shell };
+                let stage = if st.shell_up { st.next } else { Stage::Shell };
                 let how = status
                     .map(|s| format!(" (exit status {s})"))
                     .unwrap_or_default();
@@ -420,6 +408,41 @@ async fn remote_checks(
             | Event::Stopped
             | Event::Kept => {}
         }
+    }
+}
+
+/// The stage a remote error of `kind` failed at, what to do about it, and the exit code.
+fn remote_failure(kind: &str) -> (Stage, &'static str, Exit) {
+    match kind {
+        "init" => (
+            Stage::Init,
+            "run the --init command by hand after `ssh HOST` to see why it fails",
+            Exit::RemoteSetup,
+        ),
+        "env" => (
+            Stage::Env,
+            "give --env a venv or conda prefix path, or a name from \
+             `conda env list` on the remote",
+            Exit::RemoteSetup,
+        ),
+        "jupyter-missing" => (
+            Stage::Jupyter,
+            "pip install jupyterlab into the remote environment, or point --env \
+             at the one that has it",
+            Exit::JupyterMissing,
+        ),
+        "jupyter-broken" => (
+            Stage::Jupyter,
+            "reinstall jupyter in that environment (pip install --force-reinstall \
+             jupyterlab)",
+            Exit::JupyterFailed,
+        ),
+        _ => (
+            Stage::Shell,
+            "check the remote's /tmp (or $TMPDIR, $XDG_RUNTIME_DIR): it must be \
+             writable",
+            Exit::RemoteSetup,
+        ),
     }
 }
 
