@@ -1,6 +1,6 @@
 //! The checks: each problem found in the facts, with the fix that solves it. Pure functions.
 
-use super::facts::{major_minor, DriverFacts, ProbeFacts, SessionFacts};
+use super::facts::{major_minor, DriverFacts, ProbeFacts, SessionFacts, TorchFacts};
 use crate::magics::visible;
 use serde::Serialize;
 use std::collections::BTreeSet;
@@ -251,72 +251,8 @@ fn torch_build(probe: &ProbeFacts, driver: &DriverFacts, out: &mut Vec<Finding>)
         return;
     }
     let version = torch.version.clone().unwrap_or_else(|| "?".into());
-    let driver_cuda = driver.cuda.as_deref().and_then(major_minor);
-    let built = torch.cuda.as_deref().and_then(major_minor);
-    match (built, driver_cuda) {
-        (None, _) if !driver.gpus.is_empty() => out.push(finding(
-            Level::Problem,
-            "cuda_build",
-            format!("torch {version} is a CPU-only build, and this machine has {} GPU(s)", driver.gpus.len()),
-            driver_cuda.and_then(wheel_index_for).map(|index| {
-                format!(
-                    "python -m pip install --force-reinstall torch=={} --index-url https://download.pytorch.org/whl/{index}",
-                    torch_base_version(&version)
-                )
-            }),
-        )),
-        (None, _) => {}
-        (Some(b), None) => out.push(finding(
-            Level::Warning,
-            "cuda_driver",
-            format!(
-                "torch {version} is built for CUDA {}.{}, and no NVIDIA driver answers here ({}): CUDA cannot run on this machine",
-                b.0,
-                b.1,
-                driver.error.as_deref().unwrap_or("NVML unavailable")
-            ),
-            None,
-        )),
-        (Some(b), Some(d)) if d.0 < b.0 => {
-            let fix = match wheel_index_for(d) {
-                Some(index) => format!(
-                    "install a torch built for the driver's CUDA: `python -m pip install --force-reinstall torch=={} --index-url https://download.pytorch.org/whl/{index}`; or update the NVIDIA driver to one that supports CUDA {}.{}",
-                    torch_base_version(&version), b.0, b.1
-                ),
-                None => format!("update the NVIDIA driver to one that supports CUDA {}.{}", b.0, b.1),
-            };
-            out.push(finding(
-                Level::Problem,
-                "cuda_driver",
-                format!(
-                    "torch {version} is built for CUDA {}.{}, but the driver{} supports CUDA {}.{} at most: CUDA calls will fail",
-                    b.0,
-                    b.1,
-                    driver.version.as_deref().map(|v| format!(" {v}")).unwrap_or_default(),
-                    d.0,
-                    d.1
-                ),
-                Some(fix),
-            ));
-        }
-        (Some(b), Some(d)) if d < b => out.push(finding(
-            Level::Warning,
-            "cuda_driver",
-            format!(
-                "torch {version} is built for CUDA {}.{}, the driver supports {}.{}: it runs by minor-version compatibility, but kernels compiled on the fly (PTX) fail",
-                b.0, b.1, d.0, d.1
-            ),
-            Some(format!("update the NVIDIA driver to one that supports CUDA {}.{}", b.0, b.1)),
-        )),
-        (Some(b), Some(d)) => out.push(finding(
-            Level::Ok,
-            "cuda_driver",
-            format!(
-                "torch {version} (CUDA {}.{}) and the driver (CUDA {}.{}) are compatible",
-                b.0, b.1, d.0, d.1
-            ),
-            None,
-        )),
+    if let Some(f) = cuda_vs_driver(torch, &version, driver) {
+        out.push(f);
     }
     for device in &torch.devices {
         arch(torch.arch_list.as_slice(), device, &version, out);
@@ -335,6 +271,78 @@ fn torch_build(probe: &ProbeFacts, driver: &DriverFacts, out: &mut Vec<Finding>)
             ),
             None,
         ));
+    }
+}
+
+/// torch's CUDA build against what the driver supports: a CPU-only build on a GPU machine, a
+/// driver too old for the build (major, then minor), or the two compatible.
+fn cuda_vs_driver(torch: &TorchFacts, version: &str, driver: &DriverFacts) -> Option<Finding> {
+    let driver_cuda = driver.cuda.as_deref().and_then(major_minor);
+    let built = torch.cuda.as_deref().and_then(major_minor);
+    match (built, driver_cuda) {
+        (None, _) if !driver.gpus.is_empty() => Some(finding(
+            Level::Problem,
+            "cuda_build",
+            format!("torch {version} is a CPU-only build, and this machine has {} GPU(s)", driver.gpus.len()),
+            driver_cuda.and_then(wheel_index_for).map(|index| {
+                format!(
+                    "python -m pip install --force-reinstall torch=={} --index-url https://download.pytorch.org/whl/{index}",
+                    torch_base_version(version)
+                )
+            }),
+        )),
+        (None, _) => None,
+        (Some(b), None) => Some(finding(
+            Level::Warning,
+            "cuda_driver",
+            format!(
+                "torch {version} is built for CUDA {}.{}, and no NVIDIA driver answers here ({}): CUDA cannot run on this machine",
+                b.0,
+                b.1,
+                driver.error.as_deref().unwrap_or("NVML unavailable")
+            ),
+            None,
+        )),
+        (Some(b), Some(d)) if d.0 < b.0 => {
+            let fix = match wheel_index_for(d) {
+                Some(index) => format!(
+                    "install a torch built for the driver's CUDA: `python -m pip install --force-reinstall torch=={} --index-url https://download.pytorch.org/whl/{index}`; or update the NVIDIA driver to one that supports CUDA {}.{}",
+                    torch_base_version(version), b.0, b.1
+                ),
+                None => format!("update the NVIDIA driver to one that supports CUDA {}.{}", b.0, b.1),
+            };
+            Some(finding(
+                Level::Problem,
+                "cuda_driver",
+                format!(
+                    "torch {version} is built for CUDA {}.{}, but the driver{} supports CUDA {}.{} at most: CUDA calls will fail",
+                    b.0,
+                    b.1,
+                    driver.version.as_deref().map(|v| format!(" {v}")).unwrap_or_default(),
+                    d.0,
+                    d.1
+                ),
+                Some(fix),
+            ))
+        }
+        (Some(b), Some(d)) if d < b => Some(finding(
+            Level::Warning,
+            "cuda_driver",
+            format!(
+                "torch {version} is built for CUDA {}.{}, the driver supports {}.{}: it runs by minor-version compatibility, but kernels compiled on the fly (PTX) fail",
+                b.0, b.1, d.0, d.1
+            ),
+            Some(format!("update the NVIDIA driver to one that supports CUDA {}.{}", b.0, b.1)),
+        )),
+        (Some(b), Some(d)) => Some(finding(
+            Level::Ok,
+            "cuda_driver",
+            format!(
+                "torch {version} (CUDA {}.{}) and the driver (CUDA {}.{}) are compatible",
+                b.0, b.1, d.0, d.1
+            ),
+            None,
+        )),
     }
 }
 
