@@ -272,66 +272,19 @@ impl Findings {
 /// The result: maximum, recommendation, assumptions, and the chart.
 pub(super) fn summary(f: &Findings) -> Bundle {
     let search = &f.search;
-    let recommended = f.recommended();
-    let accuracy = if search.exact {
-        String::new()
-    } else if search.settled {
-        " (within 1.5%: --exact for the last sample)".to_string()
-    } else {
-        " (not confirmed: trial budget reached)".to_string()
-    };
-    let mut text = match (search.max_fit, recommended) {
-        (Some(max), Some(rec)) => format!(
-            "%maxbatch {}: largest batch that fits: {max}{accuracy}; recommended: {rec} ({}% margin{})\n",
-            f.model,
-            f.margin_percent,
-            if rec % 8 == 0 && rec >= 16 { ", multiple of 8" } else { "" },
-        ),
-        (Some(max), None) => format!(
-            "%maxbatch {}: largest batch that fits: {max}{accuracy}; no recommendation: the \
-             batches below it that were run did not fit (see below)\n",
-            f.model,
-        ),
-        _ => format!(
-            "%maxbatch {}: not even a batch of 1 fits in {}.\n",
-            f.model,
-            human_bytes(f.limit)
-        ),
-    };
+    let mut text = headline(f);
     if let Some(c) = &f.confirmation {
         text.push_str(&confirmation_line(c, search.max_fit));
     }
     if let Some(t) = &f.throughput {
-        for (batch, speed) in &t.points {
-            let speed = speed.map_or("out of memory".to_string(), |v| format!("{v:.0} samples/s"));
-            let mark = if Some(*batch) == t.best {
-                "  <- fastest"
-            } else {
-                ""
-            };
-            text.push_str(&format!("  batch {batch:>6}: {speed}{mark}\n"));
-        }
+        text.push_str(&throughput_lines(t));
     }
-    let card = match f.card {
-        Some(Card {
-            bytes,
-            context: Some(ctx),
-        }) => format!(
-            " (a {} card less {} of CUDA context)",
-            human_bytes(bytes),
-            human_bytes(ctx)
-        ),
-        Some(Card {
-            bytes,
-            context: None,
-        }) => format!(" (a {} card)", human_bytes(bytes)),
-        None => String::new(),
-    };
     text.push_str(&format!(
-        "  {} trials in {:.1} s; memory limit {}{card} on a {} GPU\n",
+        "  {} trials in {:.1} s; memory limit {}{} on a {} GPU\n",
         search.trials.len(),
         f.elapsed_ms / 1000.0,
         human_bytes(f.limit),
+        card_text(f.card),
         human_bytes(f.device_total)
     ));
     if let Some((fixed, per)) = search.fit {
@@ -357,7 +310,80 @@ pub(super) fn summary(f: &Findings) -> Bundle {
     let mut html = format!("<pre>{}</pre>", html_escape(&text));
     html.push_str(&chart(search, &f.trial_reserved, f.limit));
     let mut data = bundle(text, Some(html));
-    let value = json!({
+    data.insert("application/json".into(), summary_json(f));
+    data
+}
+
+/// The answer's first line: the maximum, how exact it is, and the recommendation.
+fn headline(f: &Findings) -> String {
+    let search = &f.search;
+    let recommended = f.recommended();
+    let accuracy = if search.exact {
+        String::new()
+    } else if search.settled {
+        " (within 1.5%: --exact for the last sample)".to_string()
+    } else {
+        " (not confirmed: trial budget reached)".to_string()
+    };
+    match (search.max_fit, recommended) {
+        (Some(max), Some(rec)) => format!(
+            "%maxbatch {}: largest batch that fits: {max}{accuracy}; recommended: {rec} ({}% margin{})\n",
+            f.model,
+            f.margin_percent,
+            if rec % 8 == 0 && rec >= 16 { ", multiple of 8" } else { "" },
+        ),
+        (Some(max), None) => format!(
+            "%maxbatch {}: largest batch that fits: {max}{accuracy}; no recommendation: the \
+             batches below it that were run did not fit (see below)\n",
+            f.model,
+        ),
+        _ => format!(
+            "%maxbatch {}: not even a batch of 1 fits in {}.\n",
+            f.model,
+            human_bytes(f.limit)
+        ),
+    }
+}
+
+/// Samples per second at each batch `--throughput` ran, the fastest marked.
+fn throughput_lines(t: &Throughput) -> String {
+    let mut text = String::new();
+    for (batch, speed) in &t.points {
+        let speed = speed.map_or("out of memory".to_string(), |v| format!("{v:.0} samples/s"));
+        let mark = if Some(*batch) == t.best {
+            "  <- fastest"
+        } else {
+            ""
+        };
+        text.push_str(&format!("  batch {batch:>6}: {speed}{mark}\n"));
+    }
+    text
+}
+
+/// The card a `--limit` answer is for, as " (a 24 GiB card less 500 MiB of CUDA context)".
+fn card_text(card: Option<Card>) -> String {
+    match card {
+        Some(Card {
+            bytes,
+            context: Some(ctx),
+        }) => format!(
+            " (a {} card less {} of CUDA context)",
+            human_bytes(bytes),
+            human_bytes(ctx)
+        ),
+        Some(Card {
+            bytes,
+            context: None,
+        }) => format!(" (a {} card)", human_bytes(bytes)),
+        None => String::new(),
+    }
+}
+
+/// The report as `--json` gives it.
+fn summary_json(f: &Findings) -> serde_json::Value {
+    let search = &f.search;
+    let recommended = f.recommended();
+    json!({
         "model": f.model, "max_batch": search.max_fit, "exact": search.exact,
         "settled": search.settled, "recommended": recommended,
         "margin_percent": f.margin_percent, "limit_bytes": f.limit,
@@ -369,9 +395,7 @@ pub(super) fn summary(f: &Findings) -> Bundle {
         "trials": search.trials, "stopped": search.stopped, "trial_ms": f.trial_ms, "trial_steps": f.trial_steps,
         "trial_reserved": f.trial_reserved, "elapsed_ms": f.elapsed_ms, "notes": f.notes,
         "confirmation": f.confirmation, "timings_ms": f.timings,
-    });
-    data.insert("application/json".into(), value);
-    data
+    })
 }
 
 /// The report's lines on the engine, the step and what the trials assumed (precision, loss,
