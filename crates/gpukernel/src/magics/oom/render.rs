@@ -69,44 +69,8 @@ pub fn text(d: &Diagnosis) -> String {
                 .unwrap_or_else(|| "-".into())
         ));
     }
-    if !d.processes.is_empty() {
-        t.push_str("  processes on this GPU:\n");
-        for p in &d.processes {
-            let mut mark = role(p.role).to_string();
-            if let Some(stale) = &p.stale {
-                mark = format!("STALE, {stale}");
-            }
-            t.push_str(&format!(
-                "    pid {:>7} {:>10}  {:<10} {}{}\n",
-                p.pid,
-                bytes(p.used_memory),
-                p.user.as_deref().unwrap_or("?"),
-                p.command.as_deref().unwrap_or("?"),
-                if mark.is_empty() {
-                    String::new()
-                } else {
-                    format!("  [{mark}]")
-                }
-            ));
-        }
-    }
-    if !d.tensors.is_empty() {
-        t.push_str(&format!(
-            "  biggest live tensors in the notebook ({} in all):\n",
-            human_bytes(d.tensor_bytes_total)
-        ));
-        for x in &d.tensors {
-            t.push_str(&format!(
-                "    {:<28} {:>10}  {:<18} {:<9} {} {}\n",
-                x.name,
-                human_bytes(x.bytes),
-                shape(&x.shape, &x.kind),
-                x.dtype,
-                x.device,
-                if x.kind == "tensor" { "" } else { &x.kind }
-            ));
-        }
-    }
+    t.push_str(&process_lines(d));
+    t.push_str(&tensor_lines(d));
     if let Some(b) = &d.batch {
         t.push_str(&format!("  batch: {} ({})\n", b.size, b.source));
     }
@@ -115,6 +79,58 @@ pub fn text(d: &Diagnosis) -> String {
         t.push_str(&format!("    {}. {}\n", i + 1, s.text));
     }
     t.push_str("  (%oom shows this again; %oom --json for scripts)\n");
+    t
+}
+
+/// The processes on the failed GPU, the user's stale ones marked.
+fn process_lines(d: &Diagnosis) -> String {
+    let mut t = String::new();
+    if d.processes.is_empty() {
+        return t;
+    }
+    t.push_str("  processes on this GPU:\n");
+    for p in &d.processes {
+        let mut mark = role(p.role).to_string();
+        if let Some(stale) = &p.stale {
+            mark = format!("STALE, {stale}");
+        }
+        t.push_str(&format!(
+            "    pid {:>7} {:>10}  {:<10} {}{}\n",
+            p.pid,
+            bytes(p.used_memory),
+            p.user.as_deref().unwrap_or("?"),
+            p.command.as_deref().unwrap_or("?"),
+            if mark.is_empty() {
+                String::new()
+            } else {
+                format!("  [{mark}]")
+            }
+        ));
+    }
+    t
+}
+
+/// The notebook's biggest live tensors, with the total they are part of.
+fn tensor_lines(d: &Diagnosis) -> String {
+    let mut t = String::new();
+    if d.tensors.is_empty() {
+        return t;
+    }
+    t.push_str(&format!(
+        "  biggest live tensors in the notebook ({} in all):\n",
+        human_bytes(d.tensor_bytes_total)
+    ));
+    for x in &d.tensors {
+        t.push_str(&format!(
+            "    {:<28} {:>10}  {:<18} {:<9} {} {}\n",
+            x.name,
+            human_bytes(x.bytes),
+            shape(&x.shape, &x.kind),
+            x.dtype,
+            x.device,
+            if x.kind == "tensor" { "" } else { &x.kind }
+        ));
+    }
     t
 }
 
