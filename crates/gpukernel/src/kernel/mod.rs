@@ -10,7 +10,7 @@ pub mod replies;
 mod tests;
 
 use crate::magics::{cell, CancelToken, GpuState, Registry};
-use crate::server::{accept, send, spawn_heartbeat, spawn_iopub, Channels, Iopub};
+use crate::server::{accept, send, spawn_heartbeat, spawn_iopub, spawn_on_sigint, Channels, Iopub};
 use crate::shell::exec::{self, Engine, IopubSink};
 use crate::shell::request::{CodeAt, ExecuteRequest};
 use crate::shell::{busy, reply};
@@ -20,7 +20,7 @@ use jupyter_protocol::{CommClose, CommId, ConnectionInfo, InterruptReply, Shutdo
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex, PoisonError};
 use tokio::sync::mpsc;
-use zeromq::{RouterSendHalf, SocketRecv};
+use zeromq::{RouterSendHalf, RouterSocket, SocketRecv};
 
 /// State shared by the shell and control tasks.
 #[derive(Default)]
@@ -59,17 +59,7 @@ pub async fn run(info: ConnectionInfo) -> anyhow::Result<()> {
     let channels = Channels::bind(&info).await?;
     let iopub = spawn_iopub(channels.iopub, session.clone());
     spawn_heartbeat(channels.heartbeat);
-    // stdin stays bound so clients can connect; no magic asks for input. It is still read
-    // (and what arrives dropped), so a peer that breaks the wire rules there is disconnected.
-    let mut stdin = channels.stdin;
-    tokio::spawn(async move {
-        while let Ok(frames) = stdin.recv().await {
-            tracing::debug!(
-                "stdin: dropped a message ({} frames): no input was asked",
-                frames.len()
-            );
-        }
-    });
+    spawn_stdin_drain(channels.stdin);
 
     let kernel = Arc::new(Kernel {
         session,
@@ -84,43 +74,9 @@ pub async fn run(info: ConnectionInfo) -> anyhow::Result<()> {
     tracing::info!("gpukernel (magics-only) listening on {}", info.shell_url());
 
     let (shutdown_tx, mut shutdown_rx) = mpsc::channel::<()>(1);
-    let (control_send, mut control_recv) = channels.control.split();
-    let control_kernel = kernel.clone();
-    tokio::spawn(async move {
-        let mut reply = control_send;
-        loop {
-            let frames = match control_recv.recv().await {
-                Ok(f) => f,
-                Err(e) => {
-                    tracing::debug!("control receive: {e}");
-                    continue;
-                }
-            };
-            let Some((msg, msg_type)) = accept(&control_kernel.session, "control", frames) else {
-                continue;
-            };
-            let parent = Parent::of(&msg);
-            let k = &control_kernel;
-            let work = handle_control(k, &mut reply, &msg, &msg_type, &parent);
-            let stop = busy(&k.session, &k.iopub, &parent, work).await;
-            if stop {
-                let _ = shutdown_tx.send(()).await;
-            }
-        }
-    });
-
+    spawn_control(channels.control, kernel.clone(), shutdown_tx);
     let interrupt_kernel = kernel.clone();
-    tokio::spawn(async move {
-        // interrupt_mode "signal" clients send SIGINT; treat it like interrupt_request.
-        let Ok(mut sigint) =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
-        else {
-            return;
-        };
-        while sigint.recv().await.is_some() {
-            interrupt_kernel.interrupt();
-        }
-    });
+    spawn_on_sigint(move || interrupt_kernel.interrupt());
 
     let (mut shell_send, mut shell_recv) = channels.shell.split();
     loop {
@@ -144,6 +100,45 @@ pub async fn run(info: ConnectionInfo) -> anyhow::Result<()> {
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     tracing::info!("shutting down");
     Ok(())
+}
+
+/// stdin stays bound so clients can connect; no magic asks for input. It is still read (and
+/// what arrives dropped), so a peer that breaks the wire rules there is disconnected.
+fn spawn_stdin_drain(mut stdin: RouterSocket) {
+    tokio::spawn(async move {
+        while let Ok(frames) = stdin.recv().await {
+            tracing::debug!(
+                "stdin: dropped a message ({} frames): no input was asked",
+                frames.len()
+            );
+        }
+    });
+}
+
+/// Control requests, each answered under its own busy/idle; a shutdown_request ends the
+/// shell loop through `shutdown`.
+fn spawn_control(control: RouterSocket, kernel: Arc<Kernel>, shutdown: mpsc::Sender<()>) {
+    let (mut reply, mut control_recv) = control.split();
+    tokio::spawn(async move {
+        loop {
+            let frames = match control_recv.recv().await {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::debug!("control receive: {e}");
+                    continue;
+                }
+            };
+            let Some((msg, msg_type)) = accept(&kernel.session, "control", frames) else {
+                continue;
+            };
+            let parent = Parent::of(&msg);
+            let work = handle_control(&kernel, &mut reply, &msg, &msg_type, &parent);
+            let stop = busy(&kernel.session, &kernel.iopub, &parent, work).await;
+            if stop {
+                let _ = shutdown.send(()).await;
+            }
+        }
+    });
 }
 
 /// Returns true when the kernel should exit.

@@ -12,7 +12,7 @@ mod mixed;
 mod python;
 
 use crate::magics::{cell, CancelToken, GpuState, Registry};
-use crate::server::{accept, send, spawn_heartbeat, spawn_iopub, Channels, Iopub};
+use crate::server::{accept, send, spawn_heartbeat, spawn_iopub, spawn_on_sigint, Channels, Iopub};
 use crate::shell::exec::Engine;
 use crate::shell::request::{CodeAt, ExecuteRequest};
 use crate::shell::{busy, reply};
@@ -179,7 +179,10 @@ pub async fn run(
 
     spawn_child_iopub(sockets.iopub, link.clone(), watch, iopub.clone());
     spawn_control(front_control_recv, proxy.clone());
-    spawn_sigint(proxy.clone());
+    // SIGINT (interrupt_mode "signal"): the whole process group gets it, so the child has it
+    // already; we only stop our own magic.
+    let signal_proxy = proxy.clone();
+    spawn_on_sigint(move || signal_proxy.interrupt_magic());
 
     let shell_proxy = proxy.clone();
     let mut shell_send = front_shell_send;
@@ -255,20 +258,6 @@ fn spawn_control(mut from_frontend: RouterRecvHalf, proxy: Arc<Proxy>) {
                 _ => {}
             }
             proxy.link.forward_control(msg.into_zmq()).await;
-        }
-    });
-}
-
-/// SIGINT (interrupt_mode "signal"): the whole process group gets it, so the child has it
-/// already; we only stop our own magic.
-fn spawn_sigint(proxy: Arc<Proxy>) {
-    tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let Ok(mut sigint) = signal(SignalKind::interrupt()) else {
-            return;
-        };
-        while sigint.recv().await.is_some() {
-            proxy.interrupt_magic();
         }
     });
 }

@@ -4,11 +4,13 @@
 mod heartbeat;
 mod iopub;
 mod ipc;
+mod signal;
 mod socket;
 
 pub use heartbeat::spawn_heartbeat;
 pub use iopub::{spawn_iopub, Iopub};
 pub use ipc::{ipc_connection, wait_bound};
+pub use signal::spawn_on_sigint;
 pub use socket::{accept, send};
 
 use jupyter_protocol::ConnectionInfo;
