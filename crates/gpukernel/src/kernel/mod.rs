@@ -6,6 +6,22 @@
 
 pub mod history;
 pub mod replies;
+
+/// The shutdown_reply, on whichever socket the request came (control, or shell as older
+/// clients send it).
+async fn reply_shutdown(
+    session: &Session,
+    socket: &mut RouterSendHalf,
+    parent: &Parent,
+    restart: bool,
+) {
+    let content = ShutdownReply {
+        restart,
+        ..ShutdownReply::default()
+    };
+    send(socket, session.reply(parent, "shutdown_reply", &content)).await;
+}
+
 #[cfg(test)]
 mod tests;
 
@@ -167,19 +183,7 @@ async fn handle_control(
             .await;
         }
         "shutdown_request" => {
-            let restart = content_bool(msg, "restart");
-            send(
-                socket,
-                session.reply(
-                    parent,
-                    "shutdown_reply",
-                    &ShutdownReply {
-                        restart,
-                        ..ShutdownReply::default()
-                    },
-                ),
-            )
-            .await;
+            reply_shutdown(session, socket, parent, content_bool(msg, "restart")).await;
             return true;
         }
         "usage_request" => {
@@ -257,22 +261,7 @@ async fn handle_shell(
         }
         "comm_msg" | "comm_close" => return false,
         "shutdown_request" => {
-            let restart = content
-                .get("restart")
-                .and_then(Value::as_bool)
-                .unwrap_or(false);
-            send(
-                socket,
-                session.reply(
-                    parent,
-                    "shutdown_reply",
-                    &ShutdownReply {
-                        restart,
-                        ..ShutdownReply::default()
-                    },
-                ),
-            )
-            .await;
+            reply_shutdown(session, socket, parent, content_bool(msg, "restart")).await;
             return true;
         }
         other => {
