@@ -7,7 +7,7 @@ use super::facts::{parse_message, AllocatorFacts, LiveTensor, MessageFigures, Pr
 use super::procs::{classify, ProcessView, Role};
 use crate::magics::visible;
 use gpuprobe::units::human_bytes;
-use gpuprobe::GpuSnapshot;
+use gpuprobe::{GpuInfo, GpuSnapshot};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -177,18 +177,7 @@ pub fn diagnose(inputs: &Inputs) -> Diagnosis {
     let mut nvml_error = None;
     match &inputs.snapshot {
         Ok(snapshot) => {
-            let gpu = allocator
-                .and_then(|a| a.uuid.as_deref())
-                .and_then(|u| visible::by_uuid(&snapshot.gpus, u))
-                .or_else(|| {
-                    let ordinals =
-                        visible::cuda_ordinals(inputs.cuda_visible_devices, &snapshot.gpus);
-                    let index = cuda_index.unwrap_or(0) as usize;
-                    ordinals
-                        .iter()
-                        .position(|o| *o == Some(index))
-                        .and_then(|p| snapshot.gpus.get(p))
-                });
+            let gpu = failed_gpu(snapshot, allocator, cuda_index, inputs.cuda_visible_devices);
             if let Some(gpu) = gpu {
                 device.nvml_index = Some(gpu.index);
                 device.name = Some(gpu.name.clone());
@@ -200,24 +189,7 @@ pub fn diagnose(inputs: &Inputs) -> Diagnosis {
         Err(e) => nvml_error = Some(e.clone()),
     }
 
-    let batch = facts
-        .input_batch
-        .map(|size| BatchView {
-            size,
-            source: match &facts.model_name {
-                Some(m) => format!("the first dimension of {m}'s input"),
-                None => "the first dimension of the model's input".into(),
-            },
-        })
-        .or_else(|| {
-            facts.batch_value.map(|size| BatchView {
-                size,
-                source: format!(
-                    "the notebook's variable {}",
-                    facts.batch_variable.as_deref().unwrap_or("batch_size")
-                ),
-            })
-        });
+    let batch = batch_view(facts);
     let maxbatch = facts.model_name.as_ref().and_then(|m| {
         inputs
             .maxbatch
@@ -249,6 +221,50 @@ pub fn diagnose(inputs: &Inputs) -> Diagnosis {
     };
     diagnosis.suggestions = suggest(&diagnosis);
     diagnosis
+}
+
+/// The GPU the OOM happened on, in NVML's list: by the allocator's UUID, else by the CUDA
+/// ordinal through CUDA_VISIBLE_DEVICES.
+fn failed_gpu<'a>(
+    snapshot: &'a GpuSnapshot,
+    allocator: Option<&AllocatorFacts>,
+    cuda_index: Option<u32>,
+    cuda_visible_devices: Option<&str>,
+) -> Option<&'a GpuInfo> {
+    allocator
+        .and_then(|a| a.uuid.as_deref())
+        .and_then(|u| visible::by_uuid(&snapshot.gpus, u))
+        .or_else(|| {
+            let ordinals = visible::cuda_ordinals(cuda_visible_devices, &snapshot.gpus);
+            let index = cuda_index.unwrap_or(0) as usize;
+            ordinals
+                .iter()
+                .position(|o| *o == Some(index))
+                .and_then(|p| snapshot.gpus.get(p))
+        })
+}
+
+/// The batch size of the failed step: the model's input's first dimension, else the
+/// notebook's batch variable.
+fn batch_view(facts: &ProbeFacts) -> Option<BatchView> {
+    facts
+        .input_batch
+        .map(|size| BatchView {
+            size,
+            source: match &facts.model_name {
+                Some(m) => format!("the first dimension of {m}'s input"),
+                None => "the first dimension of the model's input".into(),
+            },
+        })
+        .or_else(|| {
+            facts.batch_value.map(|size| BatchView {
+                size,
+                source: format!(
+                    "the notebook's variable {}",
+                    facts.batch_variable.as_deref().unwrap_or("batch_size")
+                ),
+            })
+        })
 }
 
 /// The next steps, best first. The model behind the order:
