@@ -300,6 +300,58 @@ fn findings(
     report: &MaxBatchReport,
     exported: Option<&Exported>,
 ) -> Findings {
+    let mut notes = Vec::new();
+    if let Some(note) = exported.and_then(|e| unseen_memory_note(&e.module, &report.search)) {
+        notes.push(note);
+    }
+    if exported.is_some() {
+        notes.push(
+            "the libtorch engine trains a TorchScript copy with its own loss and a new \
+             optimizer, not your loop: for the number your own training needs, run it without \
+             --engine libtorch (the python engine runs your eager step in your kernel)"
+                .into(),
+        );
+    }
+    Findings {
+        model: name.to_string(),
+        search: report.search.clone(),
+        assumptions: assumptions(args, name, request, report, exported),
+        limit: report.limit,
+        device_total: report.device_total,
+        card: args.limit.map(|bytes| Card {
+            bytes,
+            context: report.context_bytes,
+        }),
+        elapsed_ms: report.elapsed_ms,
+        trial_ms: report.trial_ms.clone(),
+        trial_steps: report
+            .trial_ms
+            .iter()
+            .map(|&(batch, _)| (batch, gpuprobe::plugin_api::STEPS_PER_TRIAL as u32))
+            .collect(),
+        trial_reserved: report.trial_reserved.clone(),
+        held: None,
+        after: format!(
+            "afterwards gpukernel holds {} allocated, {} reserved (cache emptied)",
+            human_bytes(report.after_allocated),
+            human_bytes(report.after_reserved)
+        ),
+        notes,
+        margin_percent: args.margin,
+        throughput: None,
+        confirmation: None,
+        timings: None,
+    }
+}
+
+/// What the libtorch trials assumed: the step, loss, precision, optimizer and input.
+fn assumptions(
+    args: &Args,
+    name: &str,
+    request: &MaxBatchRequest,
+    report: &MaxBatchReport,
+    exported: Option<&Exported>,
+) -> Assumptions {
     let precision = match (args.amp, args.dtype) {
         (Some(amp), _) => format!("fp32 weights, {} autocast", amp.name()),
         (None, Some(Dtype::Fp16)) => "fp16".into(),
@@ -328,58 +380,17 @@ fn findings(
         ),
         None => name.to_string(),
     };
-    let mut notes = Vec::new();
-    if let Some(note) = exported.and_then(|e| unseen_memory_note(&e.module, &report.search)) {
-        notes.push(note);
-    }
-    if exported.is_some() {
-        notes.push(
-            "the libtorch engine trains a TorchScript copy with its own loss and a new \
-             optimizer, not your loop: for the number your own training needs, run it without \
-             --engine libtorch (the python engine runs your eager step in your kernel)"
-                .into(),
-        );
-    }
-    Findings {
-        model: name.to_string(),
-        search: report.search.clone(),
-        assumptions: Assumptions {
-            engine: EngineKind::Libtorch,
-            step: if args.inference {
-                format!("forward of {source} without gradients")
-            } else {
-                format!("forward, loss, backward and optimizer step of {source}, 3 steps per trial")
-            },
-            loss: report.loss.map(|l| l.to_string()),
-            precision,
-            optimizer,
-            input: Some(format!("{input} per sample{tokens}")),
+    Assumptions {
+        engine: EngineKind::Libtorch,
+        step: if args.inference {
+            format!("forward of {source} without gradients")
+        } else {
+            format!("forward, loss, backward and optimizer step of {source}, 3 steps per trial")
         },
-        limit: report.limit,
-        device_total: report.device_total,
-        card: args.limit.map(|bytes| Card {
-            bytes,
-            context: report.context_bytes,
-        }),
-        elapsed_ms: report.elapsed_ms,
-        trial_ms: report.trial_ms.clone(),
-        trial_steps: report
-            .trial_ms
-            .iter()
-            .map(|&(batch, _)| (batch, gpuprobe::plugin_api::STEPS_PER_TRIAL as u32))
-            .collect(),
-        trial_reserved: report.trial_reserved.clone(),
-        held: None,
-        after: format!(
-            "afterwards gpukernel holds {} allocated, {} reserved (cache emptied)",
-            human_bytes(report.after_allocated),
-            human_bytes(report.after_reserved)
-        ),
-        notes,
-        margin_percent: args.margin,
-        throughput: None,
-        confirmation: None,
-        timings: None,
+        loss: report.loss.map(|l| l.to_string()),
+        precision,
+        optimizer,
+        input: Some(format!("{input} per sample{tokens}")),
     }
 }
 
