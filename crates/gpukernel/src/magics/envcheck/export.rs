@@ -1,7 +1,7 @@
 //! `%envcheck --export FILE`: the environment as a pinned requirements file (venv) or an
 //! `environment.yml` (conda), so it can be recreated on another machine.
 
-use super::facts::{CondaPackage, ProbeFacts};
+use super::facts::{CondaPackage, Freeze, ProbeFacts};
 use std::collections::BTreeSet;
 use std::path::Path;
 
@@ -102,82 +102,88 @@ pub fn render(format: Format, probe: &ProbeFacts) -> Result<String, String> {
         .take(2)
         .collect::<Vec<_>>()
         .join(".");
-    match format {
-        Format::Requirements => {
-            let mut text = header(probe, &freeze.tool);
-            text.push_str(&format!(
-                "# Recreate: python{python_mm} -m venv ENV && ENV/bin/python -m pip install -r THIS_FILE\n"
-            ));
-            for index in extra_indexes(&freeze.lines) {
-                text.push_str(&index);
-                text.push('\n');
+    Ok(match format {
+        Format::Requirements => requirements(probe, freeze, &python_mm),
+        Format::CondaYaml => conda_yaml(probe, freeze, &python_mm),
+    })
+}
+
+/// pip's pinned requirements, with the extra indexes the torch wheels came from.
+fn requirements(probe: &ProbeFacts, freeze: &Freeze, python_mm: &str) -> String {
+    let mut text = header(probe, &freeze.tool);
+    text.push_str(&format!(
+        "# Recreate: python{python_mm} -m venv ENV && ENV/bin/python -m pip install -r THIS_FILE\n"
+    ));
+    for index in extra_indexes(&freeze.lines) {
+        text.push_str(&index);
+        text.push('\n');
+    }
+    for line in &freeze.lines {
+        text.push_str(line);
+        text.push('\n');
+    }
+    text
+}
+
+/// A conda environment.yml: the conda packages with their channels, and what pip installed
+/// on top under `pip:`.
+fn conda_yaml(probe: &ProbeFacts, freeze: &Freeze, python_mm: &str) -> String {
+    let conda: &[CondaPackage] = probe.conda_packages.as_deref().unwrap_or(&[]);
+    let conda_names: BTreeSet<String> = conda.iter().map(|p| p.name.to_lowercase()).collect();
+    let mut channels: Vec<String> = Vec::new();
+    for p in conda {
+        if let Some(c) = p.channel.as_deref().and_then(channel_name) {
+            if !channels.contains(&c) {
+                channels.push(c);
             }
-            for line in &freeze.lines {
-                text.push_str(line);
-                text.push('\n');
-            }
-            Ok(text)
-        }
-        Format::CondaYaml => {
-            let conda: &[CondaPackage] = probe.conda_packages.as_deref().unwrap_or(&[]);
-            let conda_names: BTreeSet<String> =
-                conda.iter().map(|p| p.name.to_lowercase()).collect();
-            let mut channels: Vec<String> = Vec::new();
-            for p in conda {
-                if let Some(c) = p.channel.as_deref().and_then(channel_name) {
-                    if !channels.contains(&c) {
-                        channels.push(c);
-                    }
-                }
-            }
-            if channels.is_empty() {
-                channels.push("conda-forge".into());
-            }
-            let name = probe
-                .env
-                .name
-                .clone()
-                .unwrap_or_else(|| "exported-env".into());
-            let mut text = header(probe, &freeze.tool);
-            text.push_str("# Recreate: conda env create -f THIS_FILE\n");
-            text.push_str(&format!("name: {name}\nchannels:\n"));
-            for c in &channels {
-                text.push_str(&format!("  - {c}\n"));
-            }
-            text.push_str("dependencies:\n");
-            if !conda_names.contains("python") {
-                text.push_str(&format!("  - python={python_mm}\n"));
-            }
-            for p in conda {
-                match &p.version {
-                    Some(v) => text.push_str(&format!("  - {}={v}\n", p.name)),
-                    None => text.push_str(&format!("  - {}\n", p.name)),
-                }
-            }
-            let pip: Vec<&String> = freeze
-                .lines
-                .iter()
-                .filter(|l| {
-                    requirement_name(l)
-                        .map(|n| !conda_names.contains(&n))
-                        .unwrap_or(true)
-                })
-                .collect();
-            if !pip.is_empty() {
-                if !conda_names.contains("pip") {
-                    text.push_str("  - pip\n");
-                }
-                text.push_str("  - pip:\n");
-                for index in extra_indexes(&freeze.lines) {
-                    text.push_str(&format!("    - {index}\n"));
-                }
-                for line in pip {
-                    text.push_str(&format!("    - {line}\n"));
-                }
-            }
-            Ok(text)
         }
     }
+    if channels.is_empty() {
+        channels.push("conda-forge".into());
+    }
+    let name = probe
+        .env
+        .name
+        .clone()
+        .unwrap_or_else(|| "exported-env".into());
+    let mut text = header(probe, &freeze.tool);
+    text.push_str("# Recreate: conda env create -f THIS_FILE\n");
+    text.push_str(&format!("name: {name}\nchannels:\n"));
+    for c in &channels {
+        text.push_str(&format!("  - {c}\n"));
+    }
+    text.push_str("dependencies:\n");
+    if !conda_names.contains("python") {
+        text.push_str(&format!("  - python={python_mm}\n"));
+    }
+    for p in conda {
+        match &p.version {
+            Some(v) => text.push_str(&format!("  - {}={v}\n", p.name)),
+            None => text.push_str(&format!("  - {}\n", p.name)),
+        }
+    }
+    let pip: Vec<&String> = freeze
+        .lines
+        .iter()
+        .filter(|l| {
+            requirement_name(l)
+                .map(|n| !conda_names.contains(&n))
+                .unwrap_or(true)
+        })
+        .collect();
+    if !pip.is_empty() {
+        if !conda_names.contains("pip") {
+            text.push_str("  - pip\n");
+        }
+        text.push_str("  - pip:\n");
+        for index in extra_indexes(&freeze.lines) {
+            text.push_str(&format!("    - {index}\n"));
+        }
+        for line in pip {
+            text.push_str(&format!("    - {line}\n"));
+        }
+    }
+    text
 }
 
 #[cfg(test)]
