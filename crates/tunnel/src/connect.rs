@@ -478,26 +478,36 @@ fn ssh_config(target: &Target, policy: &HostKeyPolicy) -> client::Config {
 /// Resolve, connect and complete the SSH handshake (host key included).
 pub async fn connect(target: &Target, policy: HostKeyPolicy) -> Result<Connection, ConnectError> {
     let timeout = target.connect_timeout.unwrap_or(DEFAULT_CONNECT_TIMEOUT);
-    let host = target.host_name.clone();
-    let port = target.port;
+    let addrs = resolve(target, timeout).await?;
+    tracing::debug!("{} resolves to {addrs:?}", target.host_name);
+    let (tcp, peer) = dial_first(target, &addrs, timeout).await?;
+    // Interactive traffic: never wait to fill a segment.
+    if let Err(e) = tcp.set_nodelay(true) {
+        tracing::debug!("TCP_NODELAY: {e}");
+    }
+    let handle = handshake(target, policy, tcp, Vec::new()).await?;
+    Ok(Connection { handle, peer })
+}
 
+/// The host's addresses; a name that does not resolve is told apart from an alias that the
+/// ssh config does not have.
+async fn resolve(target: &Target, timeout: Duration) -> Result<Vec<SocketAddr>, ConnectError> {
+    let (host, port) = (target.host_name.clone(), target.port);
     let lookup = tokio::time::timeout(
         timeout,
         tokio::net::lookup_host((target.host_name.as_str(), port)),
     )
     .await;
-    let addrs: Vec<SocketAddr> = match lookup {
-        Err(_) => {
-            return Err(ConnectError::Timeout {
-                stage: "resolving",
-                host,
-                port,
-                timeout,
-            })
-        }
+    match lookup {
+        Err(_) => Err(ConnectError::Timeout {
+            stage: "resolving",
+            host,
+            port,
+            timeout,
+        }),
         Ok(Err(e)) => {
             let detail = dns_detail(&e);
-            return Err(if target.configured {
+            Err(if target.configured {
                 ConnectError::Dns {
                     alias: target.alias.clone(),
                     host,
@@ -508,21 +518,25 @@ pub async fn connect(target: &Target, policy: HostKeyPolicy) -> Result<Connectio
                     alias: target.alias.clone(),
                     detail,
                 }
-            });
+            })
         }
-        Ok(Ok(a)) => a.collect(),
-    };
-    tracing::debug!("{host} resolves to {addrs:?}");
+        Ok(Ok(a)) => Ok(a.collect()),
+    }
+}
 
+/// The first address that accepts a TCP connection within `timeout`, as ssh tries them in
+/// order; else the last address's error.
+async fn dial_first(
+    target: &Target,
+    addrs: &[SocketAddr],
+    timeout: Duration,
+) -> Result<(TcpStream, SocketAddr), ConnectError> {
+    let (host, port) = (&target.host_name, target.port);
     let mut last_err = None;
-    let mut stream = None;
-    for addr in &addrs {
+    for addr in addrs {
         tracing::debug!("connecting to {addr}");
         match tokio::time::timeout(timeout, dial(*addr)).await {
-            Ok(Ok(s)) => {
-                stream = Some((s, *addr));
-                break;
-            }
+            Ok(Ok(s)) => return Ok((s, *addr)),
             Ok(Err(e)) => {
                 tracing::debug!("{addr}: {e}");
                 last_err = Some(match e.kind() {
@@ -548,19 +562,11 @@ pub async fn connect(target: &Target, policy: HostKeyPolicy) -> Result<Connectio
             }
         }
     }
-    let Some((tcp, peer)) = stream else {
-        return Err(last_err.unwrap_or(ConnectError::Unreachable {
-            host,
-            port,
-            detail: "the name resolved to no address".into(),
-        }));
-    };
-    // Interactive traffic: never wait to fill a segment.
-    if let Err(e) = tcp.set_nodelay(true) {
-        tracing::debug!("TCP_NODELAY: {e}");
-    }
-    let handle = handshake(target, policy, tcp, Vec::new()).await?;
-    Ok(Connection { handle, peer })
+    Err(last_err.unwrap_or(ConnectError::Unreachable {
+        host: host.clone(),
+        port,
+        detail: "the name resolved to no address".into(),
+    }))
 }
 
 /// TCP connect to `addr`, redialling every [`REDIAL_EVERY`] while no dial has
