@@ -26,6 +26,40 @@ use std::time::Instant;
 use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Reduction, Tensor};
 
+/// Why a libtorch trial, or the search around it, could not go on.
+#[derive(Debug, thiserror::Error)]
+pub enum TrialError {
+    /// Something in the request the user can change; the message says what.
+    #[error("{0}")]
+    Request(String),
+    #[error("{0}")]
+    Torch(#[from] tch::TchError),
+    #[error(transparent)]
+    Allocator(#[from] allocator::AllocatorError),
+    #[error(transparent)]
+    Loss(#[from] loss::LossError),
+    /// libtorch panicked (tch panics on a failed op): its message.
+    #[error("{0}")]
+    Panicked(String),
+    #[error("no CUDA device is visible to libtorch")]
+    NoCuda,
+    #[error(
+        "the trial at batch {batch} ran past {limit_s:.0} s (--trial-timeout) after {done} \
+         step(s); the libtorch engine stops between steps"
+    )]
+    TimedOut {
+        batch: u64,
+        limit_s: f64,
+        done: usize,
+    },
+}
+
+impl TrialError {
+    fn request(message: impl Into<String>) -> Self {
+        TrialError::Request(message.into())
+    }
+}
+
 /// A model we can train a step of.
 enum Model {
     Builtin(Box<dyn ModuleT>),
@@ -33,10 +67,10 @@ enum Model {
 }
 
 impl Model {
-    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, String> {
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, TrialError> {
         match self {
             Model::Builtin(m) => Ok(m.forward_t(x, train)),
-            Model::Script(m) => m.forward_ts(&[x]).map_err(|e| e.to_string()),
+            Model::Script(m) => Ok(m.forward_ts(&[x])?),
         }
     }
 }
@@ -114,26 +148,23 @@ struct Trainer {
     last_output: Option<Tensor>,
 }
 
-fn torch_err(e: tch::TchError) -> String {
-    e.to_string()
-}
-
 impl Trainer {
-    fn new(request: &MaxBatchRequest, device: Device) -> Result<Self, String> {
+    fn new(request: &MaxBatchRequest, device: Device) -> Result<Self, TrialError> {
         if request.amp.is_some() && request.dtype.is_some() {
-            return Err("--amp keeps fp32 weights and autocasts the forward pass; \
-                        it does not combine with --dtype"
-                .into());
+            return Err(TrialError::request(
+                "--amp keeps fp32 weights and autocasts the forward pass; \
+                 it does not combine with --dtype",
+            ));
         }
         let dtype = kind(request.dtype);
         let (model, vs, input) = match &request.model {
             ModelSource::Builtin { name } => {
                 let mut vs = nn::VarStore::new(device);
                 let model = builtin(name, &vs.root()).ok_or_else(|| {
-                    format!(
+                    TrialError::Request(format!(
                         "unknown model {name:?}; built-ins: {}",
                         BUILTIN_MODELS.join(", ")
-                    )
+                    ))
                 })?;
                 if dtype != Kind::Float {
                     vs.set_kind(dtype);
@@ -142,7 +173,7 @@ impl Trainer {
                 (Model::Builtin(model), Some(vs), input)
             }
             ModelSource::TorchScript { path } => {
-                let mut module = tch::CModule::load_on_device(path, device).map_err(torch_err)?;
+                let mut module = tch::CModule::load_on_device(path, device)?;
                 if dtype != Kind::Float {
                     module.to(device, dtype, false);
                 }
@@ -153,10 +184,11 @@ impl Trainer {
                 } else {
                     module.set_train();
                 }
-                let input = request
-                    .input
-                    .clone()
-                    .ok_or("a TorchScript model needs --input SHAPE (the shape of one sample)")?;
+                let input = request.input.clone().ok_or_else(|| {
+                    TrialError::request(
+                        "a TorchScript model needs --input SHAPE (the shape of one sample)",
+                    )
+                })?;
                 (Model::Script(module), None, input)
             }
         };
@@ -186,20 +218,25 @@ impl Trainer {
 
     /// The loss for this model's output (see [`crate::loss`]), from a forward pass of two
     /// samples without gradients.
-    fn plan_loss(&self, request: &MaxBatchRequest) -> Result<LossPlan, String> {
+    fn plan_loss(&self, request: &MaxBatchRequest) -> Result<LossPlan, TrialError> {
         let shape = {
             let _guard = tch::no_grad_guard();
             let x = self.batch_input(2)?;
-            let y = catch_unwind(AssertUnwindSafe(|| self.forward(&x, true)))
-                .map_err(|_| "the model's forward pass failed: check --input".to_string())??;
+            let y = catch_unwind(AssertUnwindSafe(|| self.forward(&x, true))).map_err(|_| {
+                TrialError::request("the model's forward pass failed: check --input")
+            })??;
             y.size()
         };
-        loss::plan(&shape, request.loss, request.target_classes, self.vocab)
-            .map_err(|e| e.to_string())
+        Ok(loss::plan(
+            &shape,
+            request.loss,
+            request.target_classes,
+            self.vocab,
+        )?)
     }
 
     /// The loss of `y` as planned: random targets of the right shape.
-    fn loss_of(&self, y: &Tensor) -> Result<Tensor, String> {
+    fn loss_of(&self, y: &Tensor) -> Result<Tensor, TrialError> {
         match self.loss.unwrap_or(LossPlan::Mean) {
             LossPlan::Ce { classes, class_dim } => {
                 let size = y.size();
@@ -208,25 +245,24 @@ impl Trainer {
                     let mut target_shape = vec![size[0]];
                     target_shape.extend(&size[2..]);
                     let target =
-                        Tensor::f_randint(classes, target_shape.as_slice(), (Kind::Int64, device))
-                            .map_err(torch_err)?;
+                        Tensor::f_randint(classes, target_shape.as_slice(), (Kind::Int64, device))?;
                     y.f_cross_entropy_loss::<Tensor>(&target, None, Reduction::Mean, -100, 0.0)
-                        .map_err(torch_err)
+                        .map_err(TrialError::from)
                 } else {
                     let last = size.last().copied().unwrap_or(1);
-                    let flat = y.f_reshape([-1, last]).map_err(torch_err)?;
+                    let flat = y.f_reshape([-1, last])?;
                     let n = flat.size()[0];
-                    let target = Tensor::f_randint(classes, [n], (Kind::Int64, device))
-                        .map_err(torch_err)?;
+                    let target = Tensor::f_randint(classes, [n], (Kind::Int64, device))?;
                     flat.f_cross_entropy_loss::<Tensor>(&target, None, Reduction::Mean, -100, 0.0)
-                        .map_err(torch_err)
+                        .map_err(TrialError::from)
                 }
             }
             LossPlan::Mse => {
-                let target = y.f_randn_like().map_err(torch_err)?;
-                y.f_mse_loss(&target, Reduction::Mean).map_err(torch_err)
+                let target = y.f_randn_like()?;
+                y.f_mse_loss(&target, Reduction::Mean)
+                    .map_err(TrialError::from)
             }
-            LossPlan::Mean => y.f_mean(Kind::Float).map_err(torch_err),
+            LossPlan::Mean => y.f_mean(Kind::Float).map_err(TrialError::from),
         }
     }
 
@@ -241,51 +277,50 @@ impl Trainer {
         }
     }
 
-    fn make_optimizer(&self, kind: OptimizerKind) -> Result<Option<tch::COptimizer>, String> {
+    fn make_optimizer(&self, kind: OptimizerKind) -> Result<Option<tch::COptimizer>, TrialError> {
         let mut optimizer = match kind {
             OptimizerKind::None => return Ok(None),
             OptimizerKind::Sgd => tch::COptimizer::sgd(1e-3, 0.9, 0.0, 0.0, false),
             OptimizerKind::Adam => tch::COptimizer::adam(1e-3, 0.9, 0.999, 0.0, 1e-8, false),
             OptimizerKind::Adamw => tch::COptimizer::adamw(1e-3, 0.9, 0.999, 0.01, 1e-8, false),
-        }
-        .map_err(torch_err)?;
+        }?;
         for p in self.parameters() {
-            optimizer.add_parameters(&p, 0).map_err(torch_err)?;
+            optimizer.add_parameters(&p, 0)?;
         }
         Ok(Some(optimizer))
     }
 
-    fn batch_input(&self, batch: u64) -> Result<Tensor, String> {
+    fn batch_input(&self, batch: u64) -> Result<Tensor, TrialError> {
         let mut shape = vec![batch as i64];
         shape.extend(&self.input);
         match self.vocab {
             Some(vocab) => Tensor::f_randint(vocab, shape.as_slice(), (Kind::Int64, self.device)),
             None => Tensor::f_randn(shape.as_slice(), (self.dtype, self.device)),
         }
-        .map_err(torch_err)
+        .map_err(TrialError::from)
     }
 
     /// One full step: forward, and unless `inference`, backward and the optimizer's update.
     /// The optimizer state is allocated by a real step, so it counts in the fixed part.
     /// The forward pass, autocast with `--amp`. Autocast covers the forward pass only, as
     /// torch.autocast is used in training loops: backward runs in the dtypes it chose.
-    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, String> {
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, TrialError> {
         let _amp = self.autocast()?;
         self.model.forward(x, train)
     }
 
-    fn autocast(&self) -> Result<Option<allocator::Autocast>, String> {
+    fn autocast(&self) -> Result<Option<allocator::Autocast>, TrialError> {
         match self.amp {
             Some(p) => allocator::Autocast::enter(self.device.is_cuda(), p == Precision::Bf16)
                 .map(Some)
-                .map_err(|e| e.to_string()),
+                .map_err(TrialError::from),
             None => Ok(None),
         }
     }
 
     /// Forward and loss under autocast, as `with torch.autocast(...)` around both in a
     /// training loop: cross-entropy then runs its softmax in fp32, as autocast decides.
-    fn forward_loss(&mut self, x: &Tensor) -> Result<Tensor, String> {
+    fn forward_loss(&mut self, x: &Tensor) -> Result<Tensor, TrialError> {
         let _amp = self.autocast()?;
         let y = self.model.forward(x, true)?;
         // Replaces (frees) the previous output only now that this one exists.
@@ -293,7 +328,7 @@ impl Trainer {
         self.loss_of(&y)
     }
 
-    fn step(&mut self, batch: u64) -> Result<(), String> {
+    fn step(&mut self, batch: u64) -> Result<(), TrialError> {
         let x = self.batch_input(batch)?;
         if self.inference {
             let _guard = tch::no_grad_guard();
@@ -301,10 +336,10 @@ impl Trainer {
             return Ok(());
         }
         let loss = self.forward_loss(&x)?;
-        loss.f_backward().map_err(torch_err)?;
+        loss.f_backward()?;
         if let Some(optimizer) = &mut self.optimizer {
-            optimizer.step().map_err(torch_err)?;
-            optimizer.zero_grad().map_err(torch_err)?;
+            optimizer.step()?;
+            optimizer.zero_grad()?;
         } else {
             for p in self.parameters() {
                 let mut grad = p.grad();
@@ -347,11 +382,11 @@ fn trial(
     batch: u64,
     steps: usize,
     fresh: bool,
-) -> Result<TrialRun, String> {
+) -> Result<TrialRun, TrialError> {
     if fresh {
         let _ = allocator::empty_cache();
     }
-    allocator::reset_peak(device).map_err(|e| e.to_string())?;
+    allocator::reset_peak(device)?;
     let before = ooms(device);
     let start = Instant::now();
     // tch panics on a failed op (an OOM among them); keep those out of the kernel's log.
@@ -359,11 +394,11 @@ fn trial(
     std::panic::set_hook(Box::new(|_| {}));
     let result = catch_unwind(AssertUnwindSafe(|| {
         (0..steps).try_for_each(|done| match trainer.deadline {
-            Some(limit) if done > 0 && start.elapsed() > limit => Err(format!(
-                "the trial at batch {batch} ran past {:.0} s (--trial-timeout) after {done} \
-                 step(s); the libtorch engine stops between steps",
-                limit.as_secs_f64()
-            )),
+            Some(limit) if done > 0 && start.elapsed() > limit => Err(TrialError::TimedOut {
+                batch,
+                limit_s: limit.as_secs_f64(),
+                done,
+            }),
             _ => trainer.step(batch),
         })
     }));
@@ -382,7 +417,7 @@ fn trial(
             ms,
         }),
         Ok(Ok(())) => {
-            let stats = allocator::device_stats(device).map_err(|e| e.to_string())?;
+            let stats = allocator::device_stats(device)?;
             Ok(TrialRun {
                 outcome: Outcome::Ran {
                     peak: stats.allocated_bytes.peak.max(0) as u64,
@@ -395,11 +430,13 @@ fn trial(
             })
         }
         Ok(Err(e)) => Err(e),
-        Err(panic) => Err(panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "libtorch failed".into())),
+        Err(panic) => Err(TrialError::Panicked(
+            panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "libtorch failed".into()),
+        )),
     }
 }
 
@@ -416,9 +453,9 @@ struct Budget {
 
 impl Budget {
     /// Call with the model built, so the context exists and the weights count.
-    fn new(request: &MaxBatchRequest) -> Result<Self, String> {
+    fn new(request: &MaxBatchRequest) -> Result<Self, TrialError> {
         let device = request.device;
-        let stats = allocator::device_stats(device).map_err(|e| e.to_string())?;
+        let stats = allocator::device_stats(device)?;
         let reserved = stats.reserved_bytes.current.max(0) as u64;
         let available = reserved.saturating_add(stats.free);
         let Some(card) = request.limit else {
@@ -436,24 +473,28 @@ impl Budget {
         let context = own_context_bytes(reserved);
         let bytes = card.saturating_sub(context.unwrap_or(0));
         if bytes > available {
-            return Err(format!(
+            return Err(TrialError::Request(format!(
                 "--limit {} is more than this GPU can give (it has {} free besides the {} \
                  this process holds); use a smaller --limit or free the GPU",
                 crate::units::human_bytes(card),
                 crate::units::human_bytes(stats.free),
                 crate::units::human_bytes(reserved)
-            ));
+            )));
         }
         Self::capped(device, bytes, context, stats.total)
     }
 
     /// The allocator capped at `bytes` of the device's `total`.
-    fn capped(device: usize, bytes: u64, context: Option<u64>, total: u64) -> Result<Self, String> {
+    fn capped(
+        device: usize,
+        bytes: u64,
+        context: Option<u64>,
+        total: u64,
+    ) -> Result<Self, TrialError> {
         if total == 0 {
-            return Err("the device reports no memory size".into());
+            return Err(TrialError::request("the device reports no memory size"));
         }
-        allocator::set_memory_fraction(device, bytes as f64 / total as f64)
-            .map_err(|e| e.to_string())?;
+        allocator::set_memory_fraction(device, bytes as f64 / total as f64)?;
         Ok(Self {
             device,
             bytes,
@@ -508,7 +549,11 @@ impl Drop for Interpreted {
 }
 
 /// Runs `count` steps at `batch` on `setup.device`, stopping at the first OOM.
-pub fn steps(setup: &MaxBatchRequest, batch: u64, count: u32) -> Result<serde_json::Value, String> {
+pub fn steps(
+    setup: &MaxBatchRequest,
+    batch: u64,
+    count: u32,
+) -> Result<serde_json::Value, TrialError> {
     let _interpreted = Interpreted::enter();
     let device = setup.device;
     let mut trainer = Trainer::new(setup, Device::Cuda(device))?;
@@ -531,7 +576,7 @@ pub fn steps(setup: &MaxBatchRequest, batch: u64, count: u32) -> Result<serde_js
     drop(trainer);
     drop(budget);
     let _ = allocator::empty_cache();
-    let after = allocator::device_stats(device).map_err(|e| e.to_string())?;
+    let after = allocator::device_stats(device)?;
     Ok(
         serde_json::json!({"steps_run": ran, "out_of_memory": oom, "peak": peak,
                           "after_allocated": after.allocated_bytes.current}),
@@ -545,9 +590,9 @@ pub fn throughput(
     batches: &[u64],
     count: u32,
     progress: &dyn Fn(&str) -> bool,
-) -> Result<Vec<ThroughputPoint>, String> {
+) -> Result<Vec<ThroughputPoint>, TrialError> {
     if !tch::Cuda::is_available() {
-        return Err("no CUDA device is visible to libtorch".into());
+        return Err(TrialError::NoCuda);
     }
     let _interpreted = Interpreted::enter();
     let device = setup.device;
@@ -582,11 +627,12 @@ pub fn throughput(
 }
 
 /// Validates model and input with one tiny step on the CPU (no GPU here).
-pub fn validate_on_cpu(request: &MaxBatchRequest) -> Result<String, String> {
+pub fn validate_on_cpu(request: &MaxBatchRequest) -> Result<String, TrialError> {
     let _interpreted = Interpreted::enter();
     let mut trainer = Trainer::new(request, Device::Cpu)?;
-    catch_unwind(AssertUnwindSafe(|| trainer.step(1)))
-        .map_err(|_| "the step failed on the CPU: check the model and --input".to_string())??;
+    catch_unwind(AssertUnwindSafe(|| trainer.step(1))).map_err(|_| {
+        TrialError::request("the step failed on the CPU: check the model and --input")
+    })??;
     Ok(format!(
         "one training step of batch 1 ran on the CPU with input {:?}{}",
         trainer.input,
@@ -597,14 +643,19 @@ pub fn validate_on_cpu(request: &MaxBatchRequest) -> Result<String, String> {
     ))
 }
 
+/// A trial's error as the search takes it: the end of the search, with the error's words.
+fn failed(e: TrialError) -> Stop {
+    Stop::Failed(e.to_string())
+}
+
 /// The search on `request.device`, reporting each trial through `progress` (which returns
 /// true to stop).
 pub fn run(
     request: &MaxBatchRequest,
     progress: &dyn Fn(&str) -> bool,
-) -> Result<MaxBatchReport, String> {
+) -> Result<MaxBatchReport, TrialError> {
     if !tch::Cuda::is_available() {
-        return Err("no CUDA device is visible to libtorch".into());
+        return Err(TrialError::NoCuda);
     }
     let device = request.device;
     let started = Instant::now();
@@ -616,7 +667,7 @@ pub fn run(
     let _interpreted = Interpreted::enter();
     let (baseline, budget, loss_plan) = {
         let probe_build = Trainer::new(request, Device::Cuda(device))?;
-        let stats = allocator::device_stats(device).map_err(|e| e.to_string())?;
+        let stats = allocator::device_stats(device)?;
         (stats, Budget::new(request)?, probe_build.loss)
     };
     let limit = budget.bytes;
@@ -634,9 +685,8 @@ pub fn run(
         if progress(&start.to_string()) {
             return Err(Stop::Cancelled);
         }
-        let mut trainer = Trainer::new(request, Device::Cuda(device)).map_err(Stop::Failed)?;
-        let run =
-            trial(&mut trainer, device, batch, STEPS_PER_TRIAL, true).map_err(Stop::Failed)?;
+        let mut trainer = Trainer::new(request, Device::Cuda(device)).map_err(failed)?;
+        let run = trial(&mut trainer, device, batch, STEPS_PER_TRIAL, true).map_err(failed)?;
         drop(trainer);
         durations.push((batch, run.ms));
         if matches!(run.outcome, Outcome::Ran { .. }) {
@@ -661,7 +711,7 @@ pub fn run(
     let context_bytes = budget.context;
     drop(budget);
     let _ = allocator::empty_cache();
-    let after = allocator::device_stats(device).map_err(|e| e.to_string())?;
+    let after = allocator::device_stats(device)?;
     Ok(MaxBatchReport {
         search: result,
         loss: loss_plan,
@@ -731,7 +781,7 @@ mod tests {
         );
         validate_on_cpu(&r).expect("bf16 autocast trains on the CPU");
         r.dtype = Some(Precision::Fp16);
-        let err = validate_on_cpu(&r).unwrap_err();
+        let err = validate_on_cpu(&r).unwrap_err().to_string();
         assert!(err.contains("--amp") && err.contains("--dtype"), "{err}");
     }
 
@@ -753,7 +803,8 @@ mod tests {
         let err = validate_on_cpu(&request(ModelSource::Builtin {
             name: "resnet51".into(),
         }))
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(
             err.contains("unknown model \"resnet51\"") && err.contains("resnet50"),
             "{err}"
@@ -761,7 +812,8 @@ mod tests {
         let err = validate_on_cpu(&request(ModelSource::TorchScript {
             path: "/nonexistent.pt".into(),
         }))
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(!err.is_empty());
         let mut r = request(ModelSource::Builtin {
             name: "resnet18".into(),

@@ -61,8 +61,8 @@ pub fn handle(request: &str, progress: &dyn Fn(&str) -> bool) -> Reply {
             allocator_reply(allocator::try_allocate(device, bytes))
         }
         Request::MaxBatch(request) => crate::maxbatch::run(&request, progress)
-            .and_then(|report| serde_json::to_value(report).map_err(|e| e.to_string()))
-            .map_err(torch_failure),
+            .map_err(torch_failure)
+            .and_then(|report| serde_json::to_value(report).map_err(torch_failure)),
         Request::Steps {
             setup,
             batch,
@@ -73,8 +73,8 @@ pub fn handle(request: &str, progress: &dyn Fn(&str) -> bool) -> Reply {
             batches,
             steps,
         } => crate::maxbatch::throughput(&setup, &batches, steps, progress)
-            .and_then(|points| serde_json::to_value(points).map_err(|e| e.to_string()))
-            .map_err(torch_failure),
+            .map_err(torch_failure)
+            .and_then(|points| serde_json::to_value(points).map_err(torch_failure)),
         Request::ValidateOnCpu(request) => crate::maxbatch::validate_on_cpu(&request)
             .map(serde_json::Value::from)
             .map_err(torch_failure),
