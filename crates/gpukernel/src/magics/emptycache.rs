@@ -109,7 +109,7 @@ fn empty_python(python: &dyn PythonKernel, remains: &mut Vec<String>) -> Result<
         })?;
         let after = python
             .torch()
-            .map_err(|e| MagicError::new("KernelError", e))?;
+            .map_err(|e| MagicError::new("KernelError", e.to_string()))?;
         let (alloc_before, reserved_before) = totals(&before);
         let (alloc_after, reserved_after) = totals(&after);
         if alloc_after > 0 {

@@ -1,6 +1,6 @@
 //! `%gpumem`: memory per GPU and per process, read through NVML (no CUDA context needed).
 
-use super::python::TorchState;
+use super::python::{EvalError, TorchState};
 use super::{
     bundle, gauge, html_escape, parse_args, visible, Bundle, Magic, MagicContext, MagicError,
     Output,
@@ -124,7 +124,7 @@ fn append_text(data: &mut Bundle, paragraph: &str) {
 /// The Python kernel behind a proxy kernel, as one read saw it.
 pub struct PythonView {
     pub pid: u32,
-    pub torch: Result<TorchState, String>,
+    pub torch: Result<TorchState, EvalError>,
 }
 
 fn python_json(python: Option<&PythonView>) -> Value {
@@ -134,7 +134,7 @@ fn python_json(python: Option<&PythonView>) -> Value {
             "pid": p.pid,
             "torch": match &p.torch {
                 Ok(state) => serde_json::to_value(state).unwrap_or(Value::Null),
-                Err(e) => json!({"error": e}),
+                Err(e) => json!({"error": e.to_string()}),
             },
         }),
     }

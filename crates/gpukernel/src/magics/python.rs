@@ -45,6 +45,9 @@ pub enum EvalError {
     /// The channel to the Python kernel failed (it died, say).
     #[error("{0}")]
     Channel(String),
+    /// An answer came that is not what the expression returns.
+    #[error("{0}")]
+    Unreadable(String),
 }
 
 /// How long [`PythonKernel::evaluate_bounded`] waits, what ends the wait early, and who hears
@@ -69,10 +72,10 @@ pub trait PythonKernel: Send + Sync {
     fn evaluate_within(&self, expression: &str, limit: Duration) -> Result<String, EvalError>;
     fn pid(&self) -> u32;
     /// Reads torch's state in the Python kernel (waits for earlier cells to finish).
-    fn torch(&self) -> Result<TorchState, String>;
+    fn torch(&self) -> Result<TorchState, EvalError>;
     /// `gc.collect()` then `torch.cuda.empty_cache()` in the Python kernel, if torch is
     /// imported and has initialised CUDA there; never imports anything.
-    fn empty_cache(&self) -> Result<(), String>;
+    fn empty_cache(&self) -> Result<(), EvalError>;
 }
 
 /// Whether `name` can name a notebook variable:
@@ -137,8 +140,9 @@ pub const TORCH_STATE_EXPR: &str = r#"(lambda sys, json: (lambda m: type('GpuKer
 }): s})())(sys.modules.get('torch')))(__import__('sys'), __import__('json'))"#;
 
 /// Parses the `text/plain` of the expression's result.
-pub fn parse_torch_state(text: &str) -> Result<TorchState, String> {
-    serde_json::from_str(text).map_err(|e| format!("unreadable torch state ({e}): {text}"))
+pub fn parse_torch_state(text: &str) -> Result<TorchState, EvalError> {
+    serde_json::from_str(text)
+        .map_err(|e| EvalError::Unreadable(format!("unreadable torch state ({e}): {text}")))
 }
 
 #[cfg(test)]

@@ -21,13 +21,7 @@ pub struct ChildPython {
 }
 
 /// Evaluates one expression in the child; returns its `text/plain`.
-pub async fn evaluate(link: &ChildLink, expression: &str) -> Result<String, String> {
-    evaluate_typed(link, expression)
-        .await
-        .map_err(|e| e.to_string())
-}
-
-async fn evaluate_typed(link: &ChildLink, expression: &str) -> Result<String, EvalError> {
+async fn evaluate(link: &ChildLink, expression: &str) -> Result<String, EvalError> {
     let reply = link
         .silent_execute("", &json!({"value": expression}))
         .await
@@ -47,7 +41,7 @@ async fn evaluate_typed(link: &ChildLink, expression: &str) -> Result<String, Ev
 
 impl ChildPython {
     async fn bounded(&self, expression: &str, bound: Bound<'_>) -> Result<String, EvalError> {
-        let answer = evaluate_typed(&self.link, expression);
+        let answer = evaluate(&self.link, expression);
         tokio::pin!(answer);
         let started = Instant::now();
         let mut ticks = tokio::time::interval(Duration::from_millis(500));
@@ -96,13 +90,13 @@ impl PythonKernel for ChildPython {
 
     fn evaluate_within(&self, expression: &str, limit: Duration) -> Result<String, EvalError> {
         self.runtime.block_on(async {
-            tokio::time::timeout(limit, evaluate_typed(&self.link, expression))
+            tokio::time::timeout(limit, evaluate(&self.link, expression))
                 .await
                 .unwrap_or(Err(EvalError::NoAnswer(limit)))
         })
     }
 
-    fn torch(&self) -> Result<TorchState, String> {
+    fn torch(&self) -> Result<TorchState, EvalError> {
         // Magics run on blocking threads, where waiting on the runtime is allowed.
         let text = self
             .runtime
@@ -110,19 +104,18 @@ impl PythonKernel for ChildPython {
         parse_torch_state(&text)
     }
 
-    fn empty_cache(&self) -> Result<(), String> {
+    fn empty_cache(&self) -> Result<(), EvalError> {
         let reply = self
             .runtime
             .block_on(self.link.silent_execute(EMPTY_CACHE_CODE, &json!({})))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| EvalError::Channel(e.to_string()))?;
         if reply["status"] == "ok" {
             Ok(())
         } else {
-            Err(format!(
-                "{}: {}",
-                reply["ename"].as_str().unwrap_or("error"),
-                reply["evalue"].as_str().unwrap_or("")
-            ))
+            Err(EvalError::Raised {
+                ename: reply["ename"].as_str().unwrap_or("error").to_string(),
+                evalue: reply["evalue"].as_str().unwrap_or("").to_string(),
+            })
         }
     }
 }
