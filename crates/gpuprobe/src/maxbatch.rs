@@ -17,8 +17,8 @@
 use crate::allocator;
 use crate::loss::{self, LossPlan};
 use crate::plugin_api::{
-    MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision, ThroughputPoint,
-    BUILTIN_MODELS,
+    MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision, StepsReport,
+    ThroughputPoint, BUILTIN_MODELS,
 };
 use crate::search::{self, Outcome, SearchConfig, Stop};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -549,11 +549,7 @@ impl Drop for Interpreted {
 }
 
 /// Runs `count` steps at `batch` on `setup.device`, stopping at the first OOM.
-pub fn steps(
-    setup: &MaxBatchRequest,
-    batch: u64,
-    count: u32,
-) -> Result<serde_json::Value, TrialError> {
+pub fn steps(setup: &MaxBatchRequest, batch: u64, count: u32) -> Result<StepsReport, TrialError> {
     let _interpreted = Interpreted::enter();
     let device = setup.device;
     let mut trainer = Trainer::new(setup, Device::Cuda(device))?;
@@ -577,10 +573,12 @@ pub fn steps(
     drop(budget);
     let _ = allocator::empty_cache();
     let after = allocator::device_stats(device)?;
-    Ok(
-        serde_json::json!({"steps_run": ran, "out_of_memory": oom, "peak": peak,
-                          "after_allocated": after.allocated_bytes.current}),
-    )
+    Ok(StepsReport {
+        steps_run: ran,
+        out_of_memory: oom,
+        peak,
+        after_allocated: after.allocated_bytes.current,
+    })
 }
 
 /// Samples per second at each batch: two warm-up steps (cuDNN picks its algorithms, the

@@ -58,7 +58,7 @@ pub enum Request {
     /// sentence saying what ran.
     ValidateOnCpu(MaxBatchRequest),
     /// Runs `steps` training steps at `batch` (checking a search's answer). Replies
-    /// `{"steps_run", "out_of_memory", "peak"}`.
+    /// [`StepsReport`].
     Steps {
         setup: MaxBatchRequest,
         batch: u64,
@@ -73,6 +73,18 @@ pub enum Request {
         batches: Vec<u64>,
         steps: u32,
     },
+}
+
+/// What [`Request::Steps`] ran.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepsReport {
+    /// Steps that ran before the first out of memory, or all of them.
+    pub steps_run: u32,
+    pub out_of_memory: bool,
+    /// The cache's reserved peak over the steps that ran.
+    pub peak: u64,
+    /// Bytes allocated once the model was dropped and the cache emptied.
+    pub after_allocated: i64,
 }
 
 /// Training speed at one batch size.

@@ -67,7 +67,9 @@ pub fn handle(request: &str, progress: &dyn Fn(&str) -> bool) -> Reply {
             setup,
             batch,
             steps,
-        } => crate::maxbatch::steps(&setup, batch, steps).map_err(torch_failure),
+        } => crate::maxbatch::steps(&setup, batch, steps)
+            .map_err(torch_failure)
+            .and_then(|report| serde_json::to_value(report).map_err(torch_failure)),
         Request::Throughput {
             setup,
             batches,
