@@ -67,3 +67,19 @@ def stream_text(outputs: list[dict], name: str = "stdout") -> str:
         for m in outputs
         if m["msg_type"] == "stream" and m["content"]["name"] == name
     )
+
+
+class HeartbeatSettled:
+    """For jupyter_kernel_test's IopubWelcomeTests, which stop the client right after the
+    welcome: jupyter_client's heartbeat thread creates its socket after start_channels
+    returns, and one created on the context stop_channels has just destroyed raises in that
+    thread ("Too many open files": a terminated context has no socket slots). So the
+    teardown waits for that socket first."""
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        hb = cls.kc.hb_channel
+        deadline = time.monotonic() + 5
+        while hb.is_alive() and hb.socket is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        super().tearDownClass()

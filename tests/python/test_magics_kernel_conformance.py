@@ -5,6 +5,7 @@ not apply (no magic clears output) and is left out.
 """
 
 import jupyter_kernel_test as jkt
+from kernel_client import HeartbeatSettled
 
 
 class GpuMagicsKernelTests(jkt.KernelTests):
@@ -40,6 +41,6 @@ class GpuMagicsKernelTests(jkt.KernelTests):
     code_inspect_sample = "%gpumem"
 
 
-class GpuMagicsIopubWelcome(jkt.IopubWelcomeTests):
+class GpuMagicsIopubWelcome(HeartbeatSettled, jkt.IopubWelcomeTests):
     kernel_name = "gpu-magics"
     support_iopub_welcome = True

@@ -2,6 +2,7 @@
 set of ipykernel's own test file, plus samples that go through our magics."""
 
 import jupyter_kernel_test as jkt
+from kernel_client import HeartbeatSettled
 
 
 class GpuPythonKernelTests(jkt.KernelTests):
@@ -57,6 +58,6 @@ class GpuPythonMagicsThroughProxy(jkt.KernelTests):
     code_inspect_sample = "%gpumem"
 
 
-class GpuPythonIopubWelcome(jkt.IopubWelcomeTests):
+class GpuPythonIopubWelcome(HeartbeatSettled, jkt.IopubWelcomeTests):
     kernel_name = "gpu-python"
     support_iopub_welcome = True
