@@ -432,6 +432,162 @@ STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum",
              "gpt_compiled_step": "gptc", "hf_llama_step": "hfls"}
 
 
+def confirming_trials(confirmation):
+    """The trials that ran the recommendation itself: those that failed, and the one that
+    fitted unless the search had run it already."""
+    c = confirmation or {}
+    return len(c.get("failed", [])) + int(bool(c.get("batch")) and not c.get("during_search"))
+
+
+def magic_row(v, wall_seconds):
+    """The row's fields from `%maxbatch --json`'s value."""
+    return {"max_batch": v["max_batch"], "recommended": v["recommended"],
+            # The search's trials and those that ran the recommendation itself.
+            "trials": len(v["trials"]) + confirming_trials(v.get("confirmation")),
+            "seconds": v["elapsed_ms"] / 1000,
+            "wall_seconds": wall_seconds, "loss": v["assumptions"]["loss"],
+            "precision": v["assumptions"]["precision"],
+            "optimizer": v["assumptions"]["optimizer"], "limit": v["limit_bytes"],
+            "held": v.get("held"), "trial_ms": v.get("trial_ms"),
+            "trial_steps": v.get("trial_steps"),
+            "confirmation": v.get("confirmation"), "timings_ms": v.get("timings_ms"),
+            "notes": v.get("notes"),
+            "trial_list": [[t["batch"], t["outcome"]["result"], t["outcome"].get("peak"),
+                            t["outcome"].get("reserved")] for t in v["trials"]]}
+
+
+class Notebook:
+    """The benchmark's notebook in one gpu-python kernel: cells, values and %maxbatch."""
+
+    def __init__(self, kc, execute):
+        self.kc, self._execute = kc, execute
+
+    def run(self, code, timeout=900):
+        reply, outputs = self._execute(self.kc, code, timeout=timeout)
+        if reply["content"]["status"] != "ok":
+            return None, reply["content"]
+        return outputs, None
+
+    def ok(self, code, timeout=900):
+        _, err = self.run(code, timeout)
+        assert err is None, err
+
+    def value(self, expr):
+        outputs, err = self.run(f"print(__import__('json').dumps({expr}))")
+        if err:
+            raise RuntimeError(err)
+        printed = "".join(o["content"]["text"] for o in outputs
+                          if o["msg_type"] == "stream" and o["content"]["name"] == "stdout")
+        return json.loads(printed.strip().splitlines()[-1])
+
+    def start(self):
+        self.ok(MODELS.replace("CAP", repr(CAP_GIB)) + LOOP, timeout=300)
+
+    def magic(self, args):
+        t0 = time.time()
+        outputs, err = self.run(f"%maxbatch {args} --json")
+        if err:
+            return {"error": f"{err.get('ename')}: {err.get('evalue')}", "seconds": time.time() - t0}
+        data = [o for o in outputs if o["msg_type"] == "execute_result"][-1]["content"]["data"]
+        return magic_row(data["application/json"], time.time() - t0)
+
+
+def log(text):
+    print(text, file=sys.stderr, flush=True)
+
+
+def lightning_in_fresh_kernel(running_kernel, execute, setup, key):
+    """The competitor as it runs in a notebook (not inside our harness), in a kernel of its
+    own: in ours every batch shape ours and the baseline tried is set up already (cuDNN's
+    per-shape setup: about 3 s each on ConvNeXt)."""
+    with running_kernel("gpu-python") as (_, lkc):
+        nb = Notebook(lkc, execute)
+        nb.start()
+        nb.ok(setup)
+        nb.value(f"fits({key!r}, 2)")  # warmed as ours was
+        return nb.value(f"lightning_procedure({key!r})")
+
+
+def interrupt_check(km, nb, collect):
+    """Interrupts a search in its middle, once the live display shows trials have begun;
+    times the reply and checks the model came back bit for bit and nothing stayed on the GPU."""
+    kc = nb.kc
+    nb.run("make('vit_i', ViT, images(224, 1000))")
+    found = {"allocated_before": nb.value("torch.cuda.memory_allocated()")}
+    checksum = "sum(float(p.double().sum()) for p in vit_i.parameters())"
+    before = nb.value(checksum)
+    msg = kc.execute("%maxbatch vit_i --input 3x224x224")
+    shown, deadline = 0, time.time() + 60
+    while shown < 2 and time.time() < deadline:
+        m = kc.get_iopub_msg(timeout=60)
+        if m["parent_header"].get("msg_id") == msg and \
+                m["msg_type"] in ("display_data", "update_display_data"):
+            shown += 1
+    time.sleep(1.0)
+    t0 = time.time()
+    km.interrupt_kernel()
+    reply, _ = collect(kc, msg, timeout=60)
+    found |= {"reply_seconds": time.time() - t0, "display_updates_before": shown,
+              "status": reply["content"]["status"], "ename": reply["content"].get("ename")}
+    found["next_cell_ok"] = nb.run("print(1)")[1] is None
+    found["parameters_unchanged"] = nb.value(checksum) == before
+    nb.run("drop('vit_i')")
+    # What the kernel holds after the model is dropped, next to what it held before.
+    found["allocated_after_drop"] = nb.value("torch.cuda.memory_allocated()")
+    found["gc_freeze_count"] = nb.value("gc.get_freeze_count()")
+    found["last_error_kept"] = nb.value("repr(getattr(__import__('sys'), 'last_type', None))")
+    return found
+
+
+def searches(nb, args, lightning):
+    """Ours, and unless SURVEY the baseline (in-harness) and the Lightning procedure."""
+    ours = nb.magic(args)
+    row = dict(ours)
+    log(f"   ours {ours}")
+    if SURVEY:
+        return row
+    base = nb.magic(args + " --search double-bisect")
+    row |= {"baseline_trials": base.get("trials"), "baseline_seconds": base.get("seconds"),
+            "baseline_max": base.get("max_batch"), "baseline_timings_ms": base.get("timings_ms")}
+    if ours.get("max_batch"):
+        row["time_vs_baseline"] = ours["seconds"] / max(1e-9, base.get("seconds") or 1e-9)
+    lp = lightning()
+    row["lightning_procedure"] = lp
+    if ours.get("max_batch"):
+        row["time_vs_lightning_procedure"] = ours["seconds"] / max(1e-9, lp["seconds"])
+    log(f"   lightning procedure {lp}")
+    return row
+
+
+def truth(nb, key, row):
+    """The loop's exact maximum, its curve and step marks, and 30 steps at the recommendation
+    (and, with AT_MAX / AT_TRUE, at our maximum and the truth's)."""
+    t = nb.value(f"true_max({key!r}, {row.get('max_batch') or 8}, True)")
+    row |= {"true_max": t["true_max"], "true_max_probes": t["probes"], "holes": t["holes"],
+            "true_max_below_holes": t["true_max_below_holes"], "curve": t.get("curve", []),
+            "step_marks": t.get("step_marks", [])}
+    if row.get("recommended"):
+        row["steps_ok_at_recommended"] = nb.value(f"steps_ok({key!r}, {row['recommended']})")
+    if row.get("max_batch") and os.environ.get("AT_MAX"):
+        row["steps_ok_at_max"] = nb.value(f"steps_ok({key!r}, {row['max_batch']})")
+    if t["true_max"] and os.environ.get("AT_TRUE"):
+        row["steps_ok_at_true_max"] = nb.value(f"steps_ok({key!r}, {t['true_max']})")
+    if row.get("max_batch") and t["true_max"]:
+        row["ratio"] = row["max_batch"] / t["true_max"]  # and below holes: truth_report
+    return row
+
+
+def libtorch_row(nb, name, args, true_max):
+    """The libtorch engine on the same module; no --limit: a notebook module is sized
+    against its kernel's allocator budget."""
+    lt = nb.magic(args + " --engine libtorch --trial-timeout 120")
+    row = {"model": name, "engine": "libtorch", "args": args, **lt, "true_max": true_max}
+    if lt.get("max_batch") and true_max:
+        row["ratio"] = lt["max_batch"] / true_max
+    log(f"   libtorch {lt}")
+    return row
+
+
 def main() -> int:
     torch_version = device_kernels.install()
     from kernel_client import collect, execute, running_kernel
@@ -447,163 +603,37 @@ def main() -> int:
     def save():
         out_file.write_text(json.dumps(results, indent=1))
 
-    def run(kc, code, timeout=900):
-        reply, outputs = execute(kc, code, timeout=timeout)
-        if reply["content"]["status"] != "ok":
-            return None, reply["content"]
-        return outputs, None
-
-    def value(kc, expr):
-        outputs, err = run(kc, f"print(__import__('json').dumps({expr}))")
-        if err:
-            raise RuntimeError(err)
-        printed = "".join(o["content"]["text"] for o in outputs
-                          if o["msg_type"] == "stream" and o["content"]["name"] == "stdout")
-        return json.loads(printed.strip().splitlines()[-1])
-
-    def confirming_trials(confirmation):
-        # The trials that ran the recommendation itself: those that failed, and the one that
-        # fitted unless the search had run it already.
-        c = confirmation or {}
-        return len(c.get("failed", [])) + int(bool(c.get("batch")) and not c.get("during_search"))
-
-    def magic(kc, args):
-        t0 = time.time()
-        outputs, err = run(kc, f"%maxbatch {args} --json")
-        if err:
-            return {"error": f"{err.get('ename')}: {err.get('evalue')}", "seconds": time.time() - t0}
-        data = [o for o in outputs if o["msg_type"] == "execute_result"][-1]["content"]["data"]
-        v = data["application/json"]
-        return {"max_batch": v["max_batch"], "recommended": v["recommended"],
-                # The search's trials and those that ran the recommendation itself.
-                "trials": len(v["trials"]) + confirming_trials(v.get("confirmation")),
-                "seconds": v["elapsed_ms"] / 1000,
-                "wall_seconds": time.time() - t0, "loss": v["assumptions"]["loss"],
-                "precision": v["assumptions"]["precision"],
-                "optimizer": v["assumptions"]["optimizer"], "limit": v["limit_bytes"],
-                "held": v.get("held"), "trial_ms": v.get("trial_ms"),
-                "trial_steps": v.get("trial_steps"),
-                "confirmation": v.get("confirmation"), "timings_ms": v.get("timings_ms"),
-                "notes": v.get("notes"),
-                "trial_list": [[t["batch"], t["outcome"]["result"],
-                                                        t["outcome"].get("peak"),
-                                                        t["outcome"].get("reserved")]
-                                                       for t in v["trials"]]}
-
-    def start_notebook(kc):
-        _, err = run(kc, MODELS.replace("CAP", repr(CAP_GIB)) + LOOP, timeout=300)
-        assert err is None, err
-
-    def lightning_in_fresh_kernel(setup, key):
-        with running_kernel("gpu-python") as (_, lkc):
-            start_notebook(lkc)
-            _, err = run(lkc, setup)
-            assert err is None, err
-            value(lkc, f"fits({key!r}, 2)")  # warmed as ours was
-            return value(lkc, f"lightning_procedure({key!r})")
-
     with running_kernel("gpu-python") as (km, kc):
-        start_notebook(kc)
+        nb = Notebook(kc, execute)
+        nb.start()
         if os.environ.get("INTERRUPT_CHECK"):
-            # Interrupt in the middle of a search: once the live display shows trials have
-            # begun, then time the reply and check the model came back bit for bit.
-            run(kc, "make('vit_i', ViT, images(224, 1000))")
-            results["interrupt"] = {"allocated_before": value(kc, "torch.cuda.memory_allocated()")}
-            checksum = "sum(float(p.double().sum()) for p in vit_i.parameters())"
-            before = value(kc, checksum)
-            msg = kc.execute("%maxbatch vit_i --input 3x224x224")
-            shown, deadline = 0, time.time() + 60
-            while shown < 2 and time.time() < deadline:
-                m = kc.get_iopub_msg(timeout=60)
-                if m["parent_header"].get("msg_id") == msg and \
-                        m["msg_type"] in ("display_data", "update_display_data"):
-                    shown += 1
-            time.sleep(1.0)
-            t0 = time.time()
-            km.interrupt_kernel()
-            reply, _ = collect(kc, msg, timeout=60)
-            results["interrupt"] |= {"reply_seconds": time.time() - t0,
-                                    "display_updates_before": shown,
-                                    "status": reply["content"]["status"],
-                                    "ename": reply["content"].get("ename")}
-            results["interrupt"]["next_cell_ok"] = run(kc, "print(1)")[1] is None
-            results["interrupt"]["parameters_unchanged"] = value(kc, checksum) == before
-            run(kc, "drop('vit_i')")
-            # Nothing of the cut trial may stay on the GPU: what the kernel holds after the
-            # model is dropped, next to what it held before the search.
-            results["interrupt"]["allocated_after_drop"] = value(
-                kc, "torch.cuda.memory_allocated()")
-            results["interrupt"]["gc_freeze_count"] = value(kc, "gc.get_freeze_count()")
-            results["interrupt"]["last_error_kept"] = value(
-                kc, "repr(getattr(__import__('sys'), 'last_type', None))")
+            results["interrupt"] = interrupt_check(km, nb, collect)
             save()
             if results["interrupt"]["allocated_after_drop"] > 2**30:
                 # Every row after would be sized against the cut trial's leftovers.
-                print(f"   interrupt left memory behind: {results['interrupt']}", file=sys.stderr)
+                log(f"   interrupt left memory behind: {results['interrupt']}")
                 return 1
         for name in wanted:
             setup, args, libtorch = ROWS[name]
-            print(f"== {name}", file=sys.stderr, flush=True)
-            _, err = run(kc, setup)
-            assert err is None, err
+            log(f"== {name}")
+            nb.ok(setup)
             key = STEP_KEYS.get(name, name)
-            row = {"model": name, "engine": "python", "args": args}
             # One small step of the loop first, so that neither search (ours runs first) pays
             # alone for what any first step in the process pays (CUDA modules loaded, cuBLAS
             # and cuDNN set up): warm both, as a notebook that has run its loop once is.
-            value(kc, f"fits({key!r}, 2)")
-            ours = magic(kc, args)
-            row.update(ours)
-            print(f"   ours {ours}", file=sys.stderr, flush=True)
-            if not SURVEY:
-                base = magic(kc, args + " --search double-bisect")
-                row["baseline_trials"] = base.get("trials")
-                row["baseline_seconds"] = base.get("seconds")
-                row["baseline_max"] = base.get("max_batch")
-                row["baseline_timings_ms"] = base.get("timings_ms")
-                if ours.get("max_batch"):
-                    row["time_vs_baseline"] = ours["seconds"] / max(1e-9, base.get("seconds") or 1e-9)
-                # The competitor as it runs in a notebook (not inside our harness), in a
-                # kernel of its own: in this one every batch shape ours and the baseline tried
-                # is set up already (cuDNN's per-shape setup: about 3 s each on ConvNeXt).
-                lp = lightning_in_fresh_kernel(setup, key)
-                row["lightning_procedure"] = lp
-                if ours.get("max_batch"):
-                    row["time_vs_lightning_procedure"] = ours["seconds"] / max(1e-9, lp["seconds"])
-                print(f"   lightning procedure {lp}", file=sys.stderr, flush=True)
-            if TIMING:
-                results["rows"].append(row)
-                save()
-                run(kc, f"drop({key!r})")
-                continue
-            truth = value(kc, f"true_max({key!r}, {ours.get('max_batch') or 8}, True)")
-            row["true_max"], row["true_max_probes"] = truth["true_max"], truth["probes"]
-            row["holes"], row["true_max_below_holes"] = truth["holes"], truth["true_max_below_holes"]
-            row["curve"] = truth.get("curve", [])
-            row["step_marks"] = truth.get("step_marks", [])
-            if ours.get("recommended"):
-                row["steps_ok_at_recommended"] = value(kc, f"steps_ok({key!r}, {ours['recommended']})")
-            if ours.get("max_batch") and os.environ.get("AT_MAX"):  # 30 steps at the max too
-                row["steps_ok_at_max"] = value(kc, f"steps_ok({key!r}, {ours['max_batch']})")
-            if truth["true_max"] and os.environ.get("AT_TRUE"):  # and at the truth's maximum
-                row["steps_ok_at_true_max"] = value(kc, f"steps_ok({key!r}, {truth['true_max']})")
-            if ours.get("max_batch") and truth["true_max"]:
-                row["ratio"] = ours["max_batch"] / truth["true_max"]  # and below holes: truth_report
-            print(f"   row {json.dumps({k: v for k, v in row.items() if k != 'trial_list'})}",
-                  file=sys.stderr, flush=True)
+            nb.value(f"fits({key!r}, 2)")
+            row = {"model": name, "engine": "python", "args": args}
+            row |= searches(nb, args, lambda: lightning_in_fresh_kernel(
+                running_kernel, execute, setup, key))
+            if not TIMING:
+                truth(nb, key, row)
+                log(f"   row {json.dumps({k: v for k, v in row.items() if k != 'trial_list'})}")
             results["rows"].append(row)
             save()
-            if libtorch and not SURVEY:
-                # No --limit: a notebook module is sized against its kernel's allocator budget.
-                lt = magic(kc, args + " --engine libtorch --trial-timeout 120")
-                lt_row = {"model": name, "engine": "libtorch", "args": args, **lt,
-                          "true_max": truth["true_max"]}
-                if lt.get("max_batch") and truth["true_max"]:
-                    lt_row["ratio"] = lt["max_batch"] / truth["true_max"]
-                print(f"   libtorch {lt}", file=sys.stderr, flush=True)
-                results["rows"].append(lt_row)
+            if libtorch and not SURVEY and not TIMING:
+                results["rows"].append(libtorch_row(nb, name, args, row["true_max"]))
                 save()
-            run(kc, f"drop({key!r})")
+            nb.run(f"drop({key!r})")
     print(json.dumps(results, indent=1))
     return 0
 
