@@ -18,6 +18,19 @@ def fmt(v, digits=1):
 
 def main(path):
     d = json.load(open(path))
+    header(d)
+    python_rows = table(d["rows"])
+    print()
+    if not python_rows:
+        return
+    targets(python_rows)
+    times(python_rows)
+    breakdown(python_rows)
+    steady(python_rows)
+
+
+def header(d):
+    """The run's title, command, machine and what each column measures."""
     print(f"# %maxbatch against the user's own training loop ({d['date'][:10]})\n")
     print(f"Command: `{d['command'].strip()}` on {d['gpu']}, torch {d['torch']}, through a real "
           f"gpu-python kernel and jupyter_client. The notebook caps its allocator at "
@@ -41,12 +54,16 @@ def main(path):
              "already)") + ".\n")
     if "interrupt" in d:
         print(f"Interrupt in the middle of a search: {json.dumps(d['interrupt'])}\n")
+
+
+def table(rows):
+    """One line per row; returns the python engine's rows."""
     cols = ["model", "engine", "max", "rec", "true", "max/true", "ok@rec", "ok@max", "trials",
             "s", "base trials", "base s", "time/base", "lp max", "lp trials", "lp s", "time/lp"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     python_rows = []
-    for r in d["rows"]:
+    for r in rows:
         if "error" in r:
             print(f"| {r['model']} | {r['engine']} | error: {r['error'][:120]} |")
             continue
@@ -62,9 +79,12 @@ def main(path):
             fmt((r.get("lightning_procedure") or {}).get("trials")),
             fmt((r.get("lightning_procedure") or {}).get("seconds")),
             fmt(r.get("time_vs_lightning_procedure"), 2)]) + " |")
-    print()
-    if not python_rows:
-        return
+    return python_rows
+
+
+def targets(python_rows):
+    """Issue 13's answer, step and trial targets on the python rows, and the time against
+    the baseline."""
     trials = [r["trials"] for r in python_rows]
     search_trials = [len(r["trial_list"]) for r in python_rows if "trial_list" in r]
     within = [r for r in python_rows if r.get("ratio") and 0.98 <= r["ratio"] <= 1.0]
@@ -96,6 +116,10 @@ def main(path):
               f"{statistics.median(search_trials):g}, at most {max(search_trials)}"
               if any(r.get("confirmation") for r in python_rows) else ""))
     print(f"- time at most 1/3 of the baseline's (our harness): {len(fast)} of {n}")
+
+
+def times(python_rows):
+    """Time against the Lightning procedure and the baseline, over all rows and per row."""
     lp = [r for r in python_rows if r.get("time_vs_lightning_procedure")]
     if lp:
         fast_lp = [r for r in lp if r["time_vs_lightning_procedure"] <= 1 / 3]
@@ -122,8 +146,6 @@ def main(path):
         print(f"- time over all {len(timed)} rows: {ours:.1f} s vs the baseline's {base:.1f} s "
               f"({ours / base:.2f}); per row median {statistics.median(ratios):.2f}, "
               f"at most {ratios[-1]:.2f}")
-    breakdown(python_rows)
-    steady(python_rows)
 
 
 def with_holes(r):
