@@ -22,6 +22,7 @@ unless --jupyter-forward-venv points at one that has it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import http.client
 import json
@@ -313,7 +314,7 @@ def machine() -> dict:
             "os": platform.platform(), "loadavg_at_start": os.getloadavg()[0]}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--file-mb", type=int, default=256)
@@ -321,104 +322,101 @@ def main() -> int:
     ap.add_argument("--jupyter-forward-venv", type=Path, default=Path("/tmp/tunnel-bench-jf"))
     ap.add_argument("--skip-jupyter-forward", action="store_true")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    mach = machine()  # before we add load ourselves
-    binary = find_tunnel_binary()
-    prefix = jupyter_env()
-    jf = None if args.skip_jupyter_forward else ensure_jupyter_forward(args.jupyter_forward_venv)
-    log(f"tunnel {binary}, env {prefix}")
 
-    work = Path(tempfile.mkdtemp(prefix="tunnel-bench."))
-    server = Sshd(work / "sshd", alias="bench")
-    server.start()
-    state = work / "state"
+def startup_rounds(rounds: int, binary: Path, server: Sshd, prefix: Path, state: Path,
+                   work: Path, jf: Path | None) -> dict:
+    """1. startup, interleaved so drift hits all three alike; with the login's own cost."""
     res: dict = {"startup_s": {"server_own": [], "tunnel": [], "jupyter_forward": []},
                  "context_s": {"ssh_true": [], "login_shell": []}}
-    try:
-        # 1. startup, interleaved so drift hits all three alike.
-        jf_env = jf_shim = jf_cfg = None
+    jf_env = jf_shim = jf_cfg = None
+    if jf is not None:
+        jf_env, jf_shim, jf_cfg = jupyter_forward_setup(server, prefix, work)
+    # One untimed round of each warms the page cache.
+    server_own_start(prefix, work)
+    tunnel_start(binary, server, prefix, state, work)
+    for i in range(rounds):
+        res["startup_s"]["server_own"].append(server_own_start(prefix, work))
+        res["startup_s"]["tunnel"].append(tunnel_start(binary, server, prefix, state, work))
         if jf is not None:
-            jf_env, jf_shim, jf_cfg = jupyter_forward_setup(server, prefix, work)
-        # One untimed round of each warms the page cache.
-        server_own_start(prefix, work)
-        tunnel_start(binary, server, prefix, state, work)
-        for i in range(args.rounds):
-            res["startup_s"]["server_own"].append(server_own_start(prefix, work))
-            res["startup_s"]["tunnel"].append(tunnel_start(binary, server, prefix, state, work))
-            if jf is not None:
-                res["startup_s"]["jupyter_forward"].append(
-                    jupyter_forward_start(jf, server, jf_env, jf_shim, jf_cfg, work))
-            res["context_s"]["ssh_true"].append(ssh_true(server))
-            res["context_s"]["login_shell"].append(login_shell())
-            log(f"startup round {i + 1}: " + ", ".join(
-                f"{k} {v[-1]:.2f}s" for k, v in res["startup_s"].items() if v))
+            res["startup_s"]["jupyter_forward"].append(
+                jupyter_forward_start(jf, server, jf_env, jf_shim, jf_cfg, work))
+        res["context_s"]["ssh_true"].append(ssh_true(server))
+        res["context_s"]["login_shell"].append(login_shell())
+        log(f"startup round {i + 1}: " + ", ".join(
+            f"{k} {v[-1]:.2f}s" for k, v in res["startup_s"].items() if v))
+    return res
 
-        # 2./3. one tunnel and one `ssh -L` to the same Jupyter.
-        name, size = "bench.bin", args.file_mb * 1_000_000
-        with open(work / name, "wb") as f:
-            for _ in range(args.file_mb):
-                f.write(os.urandom(1_000_000))
-        proc = subprocess.Popen(
-            [str(binary), "up", "-F", str(server.ssh_config), server.alias, "--env", str(prefix),
-             "--dir", str(work), "--no-browser"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=dict(os.environ, TUNNEL_STATE_DIR=str(state)),
+
+@contextlib.contextmanager
+def forwarded(binary: Path, server: Sshd, prefix: Path, state: Path, work: Path):
+    """One tunnel and one `ssh -L` to the same Jupyter; yields the token and the ports of the
+    three paths to it (direct on the remote, tunnel, OpenSSH)."""
+    proc = subprocess.Popen(
+        [str(binary), "up", "-F", str(server.ssh_config), server.alias, "--env", str(prefix),
+         "--dir", str(work), "--no-browser"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, TUNNEL_STATE_DIR=str(state)),
+    )
+    ssh = None
+    try:
+        url = read_line_with_deadline(proc, "token=", 120).strip()
+        token = url.split("token=")[1]
+        tunnel_port = int(url.split(":")[2].split("/")[0])
+        st = json.loads(subprocess.run(
+            [str(binary), "status", "--json", "bench"], capture_output=True, text=True,
+            env=dict(os.environ, TUNNEL_STATE_DIR=str(state)), check=True).stdout)
+        remote_port = st["remote_port"]
+        ssh_port = free_port()
+        ssh = subprocess.Popen(
+            ["ssh", "-F", str(server.ssh_config), "-N", "-o", "ExitOnForwardFailure=yes",
+             "-L", f"127.0.0.1:{ssh_port}:127.0.0.1:{remote_port}", server.alias],
+            stdin=subprocess.DEVNULL,
         )
-        ssh = None
-        try:
-            url = read_line_with_deadline(proc, "token=", 120).strip()
-            token = url.split("token=")[1]
-            tunnel_port = int(url.split(":")[2].split("/")[0])
-            st = json.loads(subprocess.run(
-                [str(binary), "status", "--json", "bench"], capture_output=True, text=True,
-                env=dict(os.environ, TUNNEL_STATE_DIR=str(state)), check=True).stdout)
-            remote_port = st["remote_port"]
-            ssh_port = free_port()
-            ssh = subprocess.Popen(
-                ["ssh", "-F", str(server.ssh_config), "-N", "-o", "ExitOnForwardFailure=yes",
-                 "-L", f"127.0.0.1:{ssh_port}:127.0.0.1:{remote_port}", server.alias],
-                stdin=subprocess.DEVNULL,
-            )
-            wait_http_ok(f"http://127.0.0.1:{ssh_port}/api/status",
-                         {"Authorization": f"token {token}"}, 30)
-            paths = {"direct": remote_port, "tunnel": tunnel_port, "openssh": ssh_port}
-
-            res["throughput_MBps"] = {k: [] for k in paths}
-            for k, p in paths.items():  # warm-up
-                download_mbps(p, token, name, size)
-            for _ in range(args.rounds):
-                for k, p in paths.items():
-                    res["throughput_MBps"][k].append(download_mbps(p, token, name, size))
-            log("throughput MB/s: " + ", ".join(
-                f"{k} {max(v):.0f}" for k, v in res["throughput_MBps"].items()))
-
-            # Interleaved rounds, samples pooled per path, so load drift on a
-            # shared machine hits every path alike.
-            ka_all = {k: [] for k in paths}
-            nc_all = {k: [] for k in paths}
-            per_round = max(1, args.requests // args.rounds)
-            for _ in range(args.rounds):
-                for k, p in paths.items():
-                    ka_all[k] += latency_keepalive(p, token, per_round)
-                    nc_all[k] += latency_new_connection(p, token, max(1, per_round // 3))
-            res["latency_keepalive_ms"] = {
-                k: {"median": statistics.median(v) * 1e3, "p95": pct(v, 0.95) * 1e3,
-                    "n": len(v)} for k, v in ka_all.items()}
-            res["latency_new_connection_ms"] = {
-                k: {"median": statistics.median(v) * 1e3, "p95": pct(v, 0.95) * 1e3,
-                    "n": len(v)} for k, v in nc_all.items()}
-            log(f"latency keep-alive: {res['latency_keepalive_ms']}")
-        finally:
-            if ssh is not None:
-                ssh.terminate()
-                ssh.wait(timeout=10)
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
+        wait_http_ok(f"http://127.0.0.1:{ssh_port}/api/status",
+                     {"Authorization": f"token {token}"}, 30)
+        yield token, {"direct": remote_port, "tunnel": tunnel_port, "openssh": ssh_port}
     finally:
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if ssh is not None:
+            ssh.terminate()
+            ssh.wait(timeout=10)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
 
+
+def throughput(paths: dict, token: str, name: str, size: int, rounds: int) -> dict:
+    """2. MB/s of downloading the file through each path, after one warm-up each."""
+    found: dict = {k: [] for k in paths}
+    for k, p in paths.items():  # warm-up
+        download_mbps(p, token, name, size)
+    for _ in range(rounds):
+        for k, p in paths.items():
+            found[k].append(download_mbps(p, token, name, size))
+    log("throughput MB/s: " + ", ".join(f"{k} {max(v):.0f}" for k, v in found.items()))
+    return found
+
+
+def latency(paths: dict, token: str, rounds: int, requests: int) -> tuple[dict, dict]:
+    """3. Small-request latency, kept-alive and on new connections: interleaved rounds,
+    samples pooled per path, so load drift on a shared machine hits every path alike."""
+    ka_all: dict = {k: [] for k in paths}
+    nc_all: dict = {k: [] for k in paths}
+    per_round = max(1, requests // rounds)
+    for _ in range(rounds):
+        for k, p in paths.items():
+            ka_all[k] += latency_keepalive(p, token, per_round)
+            nc_all[k] += latency_new_connection(p, token, max(1, per_round // 3))
+
+    def summary(samples: dict) -> dict:
+        return {k: {"median": statistics.median(v) * 1e3, "p95": pct(v, 0.95) * 1e3,
+                    "n": len(v)} for k, v in samples.items()}
+
+    return summary(ka_all), summary(nc_all)
+
+
+def verdict(res: dict) -> tuple[dict, dict, dict, dict]:
+    """Medians, the ratios tunnel vs the others, and the targets they meet."""
     med = {k: statistics.median(v) for k, v in res["startup_s"].items() if v}
     ctx = {k: statistics.median(v) for k, v in res["context_s"].items()}
     ratios = {
@@ -440,6 +438,37 @@ def main() -> int:
         "throughput >= 0.7x OpenSSH": ratios["throughput_tunnel_over_openssh"] >= 0.7,
         "latency <= 1.2x OpenSSH (keep-alive)": ratios["latency_keepalive_tunnel_over_openssh"] <= 1.2,
     }
+    return med, ctx, ratios, targets
+
+
+def main() -> int:
+    args = parse_args()
+    mach = machine()  # before we add load ourselves
+    binary = find_tunnel_binary()
+    prefix = jupyter_env()
+    jf = None if args.skip_jupyter_forward else ensure_jupyter_forward(args.jupyter_forward_venv)
+    log(f"tunnel {binary}, env {prefix}")
+
+    work = Path(tempfile.mkdtemp(prefix="tunnel-bench."))
+    server = Sshd(work / "sshd", alias="bench")
+    server.start()
+    state = work / "state"
+    try:
+        res = startup_rounds(args.rounds, binary, server, prefix, state, work, jf)
+        name, size = "bench.bin", args.file_mb * 1_000_000
+        with open(work / name, "wb") as f:
+            for _ in range(args.file_mb):
+                f.write(os.urandom(1_000_000))
+        with forwarded(binary, server, prefix, state, work) as (token, paths):
+            res["throughput_MBps"] = throughput(paths, token, name, size, args.rounds)
+            res["latency_keepalive_ms"], res["latency_new_connection_ms"] = latency(
+                paths, token, args.rounds, args.requests)
+            log(f"latency keep-alive: {res['latency_keepalive_ms']}")
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    med, ctx, ratios, targets = verdict(res)
     today = datetime.date.today().isoformat()
     report = {
         "date": today,
