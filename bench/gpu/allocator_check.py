@@ -129,7 +129,21 @@ def run_checks(lib_dir: str) -> None:
         results["gpu"] = f"nvidia-smi failed: {e}"
     results["plugin"] = str(PLUGIN)
     pid = os.getpid()
+    plugin = check_loading(lib_dir)
+    check_before_cuda(plugin, pid)
+    # Held by torch through checks 2 and 3, then freed for empty_cache to give back.
+    x = torch.empty(N, dtype=torch.uint8, device="cuda")
+    total = check_figures(plugin)
+    check_try_allocate(plugin)
+    del x
+    check_empty_cache(plugin, pid)
+    check_reset_peak(plugin)
+    check_memory_fraction(plugin, total)
+    check_oom(plugin, total)
 
+
+def check_loading(lib_dir: str) -> Plugin:
+    """The plugin loads against the libtorch torch has mapped, and no second copy."""
     libs_before = mapped_torch_libs()
     plugin = Plugin(PLUGIN)
     libs_after = mapped_torch_libs()
@@ -139,8 +153,13 @@ def run_checks(lib_dir: str) -> None:
           libs_before == libs_after and all(len(v) == 1 for v in libs_after.values())
           and all(os.path.dirname(v[0]) == os.path.realpath(lib_dir) for v in libs_after.values()),
           libs_after)
+    return plugin
 
-    # 1. Before CUDA is used: nothing initialised, no context, and asking creates none.
+
+def check_before_cuda(plugin: Plugin, pid: int) -> None:
+    """Before CUDA is used: nothing initialised, no context, and asking creates none."""
+    import torch
+
     before = plugin.call({"op": "allocator_stats"})
     check("before: allocator_stats says not initialised",
           before == {"ok": {"initialized": False, "devices": []}}, before)
@@ -153,8 +172,11 @@ def run_checks(lib_dir: str) -> None:
           not torch.cuda.is_initialized() and smi_process_bytes(pid) is None,
           {"torch_initialized": torch.cuda.is_initialized(), "smi": smi_process_bytes(pid)})
 
-    # 2. A tensor allocated by torch in this process: the plugin sees exactly torch's figures.
-    x = torch.empty(N, dtype=torch.uint8, device="cuda")
+
+def check_figures(plugin: Plugin) -> int:
+    """A tensor allocated by torch in this process: the plugin sees exactly torch's figures. Returns the device's total memory."""
+    import torch
+
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     reply = plugin.call({"op": "allocator_stats"})
@@ -187,8 +209,13 @@ def run_checks(lib_dir: str) -> None:
           {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]})
     check("after alloc: free within 256 MiB of torch.cuda.mem_get_info",
           s.get("free") is not None and abs(s["free"] - free) <= 256 * 2**20, (s.get("free"), free))
+    return total
 
-    # 3. An allocation made by the plugin lands in the same allocator torch reports on.
+
+def check_try_allocate(plugin: Plugin) -> None:
+    """An allocation made by the plugin lands in the same allocator torch reports on."""
+    import torch
+
     peak_before = torch.cuda.max_memory_allocated(0)
     tried = plugin.call({"op": "try_allocate", "device": 0, "bytes": GIB})
     check("plugin try_allocate 1 GiB succeeds and shows in torch's peak",
@@ -196,8 +223,11 @@ def run_checks(lib_dir: str) -> None:
           {"reply_error": tried.get("error"), "peak_before": peak_before,
            "peak_after": torch.cuda.max_memory_allocated(0)})
 
-    # 4. empty_cache gives back reserved-but-unused memory, as seen by torch and nvidia-smi.
-    del x
+
+def check_empty_cache(plugin: Plugin, pid: int) -> None:
+    """empty_cache gives back reserved-but-unused memory, as seen by torch and nvidia-smi. (Call with the tensor of check_figures deleted.)"""
+    import torch
+
     torch.cuda.synchronize()
     cached = plugin.stats()
     unused = cached["reserved_bytes"]["current"] - cached["allocated_bytes"]["current"]
@@ -220,7 +250,11 @@ def run_checks(lib_dir: str) -> None:
         check("empty_cache: nvidia-smi process memory dropped (skipped: pid not listed)", True,
               (smi_before, smi_after))
 
-    # 5. reset_peak.
+
+def check_reset_peak(plugin: Plugin) -> None:
+    """reset_peak: the peak back to current, as torch sees it."""
+    import torch
+
     y = torch.empty(GIB, dtype=torch.uint8, device="cuda")
     del y
     reset = plugin.call({"op": "reset_peak", "device": 0}).get("ok", {}).get("devices", [{}])[0]
@@ -229,7 +263,11 @@ def run_checks(lib_dir: str) -> None:
           == torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0),
           (reset.get("allocated_bytes"), torch.cuda.max_memory_allocated(0)))
 
-    # 6. set_memory_fraction caps the allocator for torch and for the plugin alike.
+
+def check_memory_fraction(plugin: Plugin, total: int) -> None:
+    """set_memory_fraction caps the allocator for torch and for the plugin alike."""
+    import torch
+
     cap = plugin.call({"op": "set_memory_fraction", "device": 0, "fraction": 0.25})
     over_cap = int(0.4 * total)
     torch_oom = False
@@ -251,7 +289,11 @@ def run_checks(lib_dir: str) -> None:
     if getter is not None:
         results["torch_memory_fraction_after"] = getter(0)
 
-    # 7. An oversized allocation is the typed OOM, counted by the allocator.
+
+def check_oom(plugin: Plugin, total: int) -> None:
+    """An oversized allocation is the typed OOM, counted by the allocator."""
+    import torch
+
     ooms_before = plugin.stats().get("num_ooms", 0)
     huge = plugin.call({"op": "try_allocate", "device": 0, "bytes": 4 * total})
     err = huge.get("error", {})
@@ -264,7 +306,6 @@ def run_checks(lib_dir: str) -> None:
     bad = plugin.call({"op": "reset_peak", "device": torch.cuda.device_count()})
     check("a device that does not exist -> torch error, no crash",
           bad.get("error", {}).get("kind") == "torch", bad)
-
 
 
 def report() -> int:
