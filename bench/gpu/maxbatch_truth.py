@@ -388,6 +388,10 @@ def hf_llama():  # a Llama-style decoder (125M: 12 layers, d 768, grouped-query 
                                         num_hidden_layers=12, num_attention_heads=12,
                                         num_key_value_heads=4, max_position_embeddings=1024))
 
+def hf_swin():  # Hugging Face Swin-T (28M), windowed attention, from its default config
+    from transformers import SwinConfig, SwinForImageClassification
+    return SwinForImageClassification(SwinConfig(num_labels=1000))
+
 def sentences(vocab, seq, classes):  # token ids and one label per sequence
     return lambda b: (torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, classes, (b,), device=dev))
 """
@@ -426,6 +430,8 @@ ROWS = {
                       "--step hf_llama_step", False),
     "hf_convnext_bf16": ("make('hf_convnext_bf16', hf_convnext, images(224, 1000), torch.bfloat16)",
                          "hf_convnext_bf16 --input 3x224x224 --amp bf16", False),
+    "hf_swin_bf16": ("make('hf_swin_bf16', hf_swin, images(224, 1000), torch.bfloat16)",
+                     "hf_swin_bf16 --input 3x224x224 --amp bf16", False),
 }
 # The --step rows: the notebook variable their function trains.
 STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum",
