@@ -7,21 +7,6 @@
 pub mod history;
 pub mod replies;
 
-/// The shutdown_reply, on whichever socket the request came (control, or shell as older
-/// clients send it).
-async fn reply_shutdown(
-    session: &Session,
-    socket: &mut RouterSendHalf,
-    parent: &Parent,
-    restart: bool,
-) {
-    let content = ShutdownReply {
-        restart,
-        ..ShutdownReply::default()
-    };
-    send(socket, session.reply(parent, "shutdown_reply", &content)).await;
-}
-
 #[cfg(test)]
 mod tests;
 
@@ -261,7 +246,11 @@ async fn handle_shell(
         }
         "comm_msg" | "comm_close" => return false,
         "shutdown_request" => {
-            reply_shutdown(session, socket, parent, content_bool(msg, "restart")).await;
+            let restart = content
+                .get("restart")
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            reply_shutdown(session, socket, parent, restart).await;
             return true;
         }
         other => {
@@ -272,6 +261,21 @@ async fn handle_shell(
     let reply_type = msg_type.replace("_request", "_reply");
     send(socket, session.reply(parent, &reply_type, &reply)).await;
     false
+}
+
+/// The shutdown_reply, on whichever socket the request came (control, or shell as older
+/// clients send it).
+async fn reply_shutdown(
+    session: &Session,
+    socket: &mut RouterSendHalf,
+    parent: &Parent,
+    restart: bool,
+) {
+    let content = ShutdownReply {
+        restart,
+        ..ShutdownReply::default()
+    };
+    send(socket, session.reply(parent, "shutdown_reply", &content)).await;
 }
 
 /// execute_request in magics-only mode: every non-blank, non-comment line must be a magic.

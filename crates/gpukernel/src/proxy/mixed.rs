@@ -103,11 +103,7 @@ pub async fn execute(
     let user_expressions = record_cell(proxy, cell, count).await;
     link.end_cell();
 
-    let outcome = match failure {
-        None => Ok(payload),
-        Some(e) => Err(e),
-    };
-    reply::execute_reply(count, outcome, user_expressions)
+    reply::execute_reply(count, failure.map_or(Ok(payload), Err), user_expressions)
 }
 
 /// One cell's run through its segments: what each part needs, and what the parts gave.

@@ -252,27 +252,30 @@ fn which_python(
 /// was written, or the message of the error the cell ends with.
 fn write_export(
     file: Option<&Path>,
-    session: &Option<SessionFacts>,
-    probe: &Option<ProbeFacts>,
-) -> Result<Option<String>, String> {
+    session: Option<&SessionFacts>,
+    probe: Option<&ProbeFacts>,
+) -> Result<Option<String>, MagicError> {
     let Some(file) = file else {
         return Ok(None);
     };
     // A relative FILE is the notebook's: its working directory, not gpukernel's.
-    let file = match session.as_ref().and_then(|s| s.cwd.as_deref()) {
+    let file = match session.and_then(|s| s.cwd.as_deref()) {
         Some(cwd) if file.is_relative() => Path::new(cwd).join(file),
         _ => file.to_path_buf(),
     };
+    let failed = |why: String| {
+        MagicError::new(
+            "EnvCheckError",
+            format!("%envcheck --export {}: {why}", file.display()),
+        )
+    };
     let Some(p) = probe else {
-        return Err(format!(
-            "%envcheck --export {}: no Python environment could be read",
-            file.display()
-        ));
+        return Err(failed("no Python environment could be read".into()));
     };
     let format = export::Format::for_file(&file, &p.env.kind);
     export::render(format, p)
         .and_then(|text| std::fs::write(&file, text).map_err(|e| e.to_string()))
-        .map_err(|e| format!("%envcheck --export {}: {e}", file.display()))?;
+        .map_err(failed)?;
     Ok(Some(format!(
         "wrote {} ({}, {} packages)",
         file.display(),
@@ -338,10 +341,11 @@ impl Magic for EnvCheck {
                 },
             );
         }
-        let (export, export_error) = match write_export(args.export.as_deref(), &session, &probe) {
-            Ok(written) => (written, None),
-            Err(e) => (None, Some(e)),
-        };
+        let (export, export_error) =
+            match write_export(args.export.as_deref(), session.as_ref(), probe.as_ref()) {
+                Ok(written) => (written, None),
+                Err(e) => (None, Some(e)),
+            };
         let report = Report {
             kernel: if ctx.python.is_some() {
                 "gpu-python"
@@ -366,10 +370,7 @@ impl Magic for EnvCheck {
             data.remove("text/html");
         }
         ctx.out.emit(Output::value_or_display(data, args.json));
-        match export_error {
-            Some(e) => Err(MagicError::new("EnvCheckError", e)),
-            None => Ok(()),
-        }
+        export_error.map_or(Ok(()), Err)
     }
 }
 
