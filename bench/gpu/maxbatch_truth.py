@@ -159,11 +159,15 @@ def masks(size, classes):
     return lambda b: (torch.randn(b, 3, size, size, device=dev), torch.randint(0, classes, (b, size, size), device=dev))
 
 models, opts, data, amps, scalers = {}, {}, {}, {}, {}
-def make(name, factory, maker, amp=None):
+def make(name, factory, maker, amp=None, opt=None, weights=None):
+    # `opt(model)`: the row's own optimizer (AdamW over every parameter if None); `weights`:
+    # a dtype the whole model is cast to (pure low-precision training, no autocast).
     torch.manual_seed(0)
     m = factory().to(dev)
+    if weights is not None:
+        m = m.to(weights)
     models[name], data[name], amps[name] = m, maker, amp
-    opts[name] = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    opts[name] = opt(m) if opt is not None else torch.optim.AdamW(m.parameters(), lr=1e-4)
     scalers[name] = torch.amp.GradScaler("cuda") if amp is torch.float16 else None
     globals()[name] = m
     globals()[name + "_opt"] = opts[name]
@@ -172,6 +176,8 @@ def make(name, factory, maker, amp=None):
 
 accumulate = {}  # name -> micro-batches per optimizer step (gradient accumulation)
 own_loss = set()  # names trained with the model's own loss (a Hugging Face model given labels=)
+scheds = {}  # name -> LR scheduler stepped after every optimizer step
+clip = set()  # names whose gradients are clipped to norm 1 before the optimizer step
 
 def train(name, batch, steps):
     # The notebook's own loop, as a user writes it: `batch` samples per micro-batch, and
@@ -195,10 +201,16 @@ def train(name, batch, steps):
                 scaler.scale(loss).backward()
             else:
                 loss.backward()
+        if name in clip:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         if scaler is not None:
             scaler.step(opt); scaler.update()
         else:
             opt.step()
+        if name in scheds:
+            scheds[name].step()
         if marks is not None:
             mark_step(scaler)
     torch.cuda.synchronize()
@@ -349,8 +361,9 @@ def lightning_procedure(name, steps=3, max_trials=25):
             "seconds": time.perf_counter() - t0}
 
 def drop(name):
-    for d in (models, opts, data, amps, scalers):
+    for d in (models, opts, data, amps, scalers, scheds, accumulate):
         d.pop(name, None)
+    clip.discard(name); own_loss.discard(name)
     globals().pop(name, None); globals().pop(name + "_opt", None)
     gc.collect(); torch.cuda.empty_cache()
 
@@ -392,6 +405,52 @@ def hf_swin():  # Hugging Face Swin-T (28M), windowed attention, from its defaul
     from transformers import SwinConfig, SwinForImageClassification
     return SwinForImageClassification(SwinConfig(num_labels=1000))
 
+def hf_bert_frozen():  # fine-tuning as users do: BERT-base classifier, embeddings and 8 of 12 layers frozen
+    from transformers import BertConfig, BertForSequenceClassification
+    m = BertForSequenceClassification(BertConfig(num_labels=4))
+    for p in list(m.bert.embeddings.parameters()) + [p for l in m.bert.encoder.layer[:8] for p in l.parameters()]:
+        p.requires_grad_(False)
+    return m
+
+def trainable_sgd(m):  # SGD with Nesterov momentum over the parameters that train
+    return torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1e-2, momentum=0.9, nesterov=True)
+
+def hf_resnet50_cl():  # Hugging Face ResNet-50, channels_last as vision users train it
+    from transformers import ResNetConfig, ResNetForImageClassification
+    return ResNetForImageClassification(ResNetConfig(num_labels=1000)).to(memory_format=torch.channels_last)
+
+def images_cl(size, classes):
+    return lambda b: (torch.randn(b, 3, size, size, device=dev).contiguous(memory_format=torch.channels_last),
+                      torch.randint(0, classes, (b,), device=dev))
+
+def gpt_sched_step(batch):   # --step with clipping and a OneCycle schedule, Adam without foreach
+    train("gptsched", batch, 1)
+
+def rn50_cl_step(batch):   # --step on a channels_last ResNet-50 under bf16 autocast
+    train("rn50cl", batch, 1)
+
+def hf_t5():  # Hugging Face T5-small (60M), an encoder-decoder trained with its own loss
+    from transformers import T5Config, T5ForConditionalGeneration
+    return T5ForConditionalGeneration(T5Config(vocab_size=32128, decoder_start_token_id=0, pad_token_id=0))
+
+def hf_llama_bf16w_step(batch):   # --step on the pure-bf16 Llama with fused AdamW
+    train("llbw", batch, 1)
+
+def hf_t5_step(batch):   # --step: seq2seq with labels, as T5 users train
+    train("t5", batch, 1)
+
+def fingerprint(name):
+    # What a trial could change in the user's state, summed: equal before and after %maxbatch.
+    m, opt = models[name], opts[name]
+    with torch.no_grad():
+        params = sum(float(p.double().sum()) for p in m.parameters())
+        buffers = sum(float(b.double().sum()) for b in m.buffers() if b.is_floating_point())
+    return {"params": params, "buffers": buffers, "grads": sum(p.grad is not None for p in m.parameters()),
+            "opt_state": len(opt.state), "lr": [g["lr"] for g in opt.param_groups],
+            "sched": scheds[name].last_epoch if name in scheds else None,
+            "frozen": sum(not p.requires_grad for p in m.parameters()), "training": m.training,
+            "rng": int(torch.cuda.get_rng_state().double().sum())}
+
 def sentences(vocab, seq, classes):  # token ids and one label per sequence
     return lambda b: (torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, classes, (b,), device=dev))
 """
@@ -432,10 +491,34 @@ ROWS = {
                          "hf_convnext_bf16 --input 3x224x224 --amp bf16", False),
     "hf_swin_bf16": ("make('hf_swin_bf16', hf_swin, images(224, 1000), torch.bfloat16)",
                      "hf_swin_bf16 --input 3x224x224 --amp bf16", False),
+    # Rows new to the suite on 2026-12-04 (a new user's set-ups: a frozen backbone with SGD,
+    # pure bf16 weights with fused AdamW, clipping and a scheduler, channels_last).
+    "hf_bert_frozen_sgd": ("make('hf_bert_frozen_sgd', hf_bert_frozen, sentences(30522, 256, 4), opt=trainable_sgd)",
+                           "hf_bert_frozen_sgd --input 256", False),
+    "hf_llama_bf16_weights": ("make('hf_llama_bf16_weights', hf_llama, tokens(32000, 512), weights=torch.bfloat16, "
+                              "opt=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True))",
+                              "hf_llama_bf16_weights --input 512", False),
+    "gpt_sched_step": ("make('gptsched', GPT, tokens(32000, 512), "
+                       "opt=lambda m: torch.optim.Adam(m.parameters(), lr=3e-4, foreach=False)); "
+                       "scheds['gptsched'] = torch.optim.lr_scheduler.OneCycleLR(opts['gptsched'], "
+                       "max_lr=3e-4, total_steps=10**6); clip.add('gptsched')",
+                       "--step gpt_sched_step", False),
+    "hf_llama_bf16w_step": ("make('llbw', hf_llama, tokens(32000, 512), weights=torch.bfloat16, "
+                            "opt=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True))",
+                            "--step hf_llama_bf16w_step", False),
+    "hf_t5_step": ("make('t5', hf_t5, tokens(32128, 512)); own_loss.add('t5')", "--step hf_t5_step", False),
+    "resnet18_fp16_scaler": ("make('resnet18_fp16_scaler', ResNet18, images(224, 1000), torch.float16)",
+                             "resnet18_fp16_scaler --input 3x224x224 --amp fp16", False),
+    "hf_resnet50_cl_step": ("make('rn50cl', hf_resnet50_cl, images_cl(224, 1000), torch.bfloat16)",
+                            "--step rn50_cl_step", False),
 }
 # The --step rows: the notebook variable their function trains.
 STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum",
-             "gpt_compiled_step": "gptc", "hf_llama_step": "hfls"}
+             "gpt_compiled_step": "gptc", "hf_llama_step": "hfls", "gpt_sched_step": "gptsched",
+             "hf_resnet50_cl_step": "rn50cl", "hf_t5_step": "t5", "hf_llama_bf16w_step": "llbw"}
+# What a new user might try first on a row's model, and the message they get (recorded as the
+# row's `first_try`): T5 takes two inputs, so MODULE mode has to point them to --step.
+FIRST_TRY = {"hf_t5_step": "t5 --input 512"}
 
 
 def confirming_trials(confirmation):
@@ -545,10 +628,16 @@ def interrupt_check(km, nb, collect):
     return found
 
 
-def searches(nb, args, lightning):
-    """Ours, and unless SURVEY the baseline (in-harness) and the Lightning procedure."""
+def searches(nb, key, args, lightning):
+    """Ours, and unless SURVEY the baseline (in-harness) and the Lightning procedure. The
+    user's state is fingerprinted before and after ours (`state_unchanged`)."""
+    before = nb.value(f"fingerprint({key!r})")
     ours = nb.magic(args)
+    after = nb.value(f"fingerprint({key!r})")
     row = dict(ours)
+    row["state_unchanged"] = before == after
+    if before != after:
+        row["state_before_after"] = [before, after]
     log(f"   ours {ours}")
     if SURVEY:
         return row
@@ -629,7 +718,10 @@ def main() -> int:
             # and cuDNN set up): warm both, as a notebook that has run its loop once is.
             nb.value(f"fits({key!r}, 2)")
             row = {"model": name, "engine": "python", "args": args}
-            row |= searches(nb, args, lambda: lightning_in_fresh_kernel(
+            if name in FIRST_TRY:
+                row["first_try"] = {"args": FIRST_TRY[name], **nb.magic(FIRST_TRY[name])}
+                log(f"   first try {row['first_try']}")
+            row |= searches(nb, key, args, lambda: lightning_in_fresh_kernel(
                 running_kernel, execute, setup, key))
             if not TIMING:
                 truth(nb, key, row)
