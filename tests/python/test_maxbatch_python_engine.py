@@ -195,6 +195,8 @@ def test_json_without_a_gpu_is_the_cells_value_with_no_batch_size(notebook):
     assert v["checked"] == "one step of batch 2 ran on the cpu", v
     assert v["assumptions"]["precision"].startswith("bf16 autocast"), v
     assert v["assumptions"]["optimizer"] == "the notebook's opt (AdamW)", v
+    # The standard step is not the user's loop: at the limit theirs can differ by a sample.
+    assert "--step FN sizes your own step exactly" in v["assumptions"]["step"], v
     assert_untouched(kc)
 
 
