@@ -412,6 +412,9 @@ def hf_bert_frozen():  # fine-tuning as users do: BERT-base classifier, embeddin
         p.requires_grad_(False)
     return m
 
+def fused_adamw(m):  # AdamW in its fused kernel, as pure-bf16 training often runs it
+    return torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True)
+
 def trainable_sgd(m):  # SGD with Nesterov momentum over the parameters that train
     return torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1e-2, momentum=0.9, nesterov=True)
 
@@ -448,6 +451,7 @@ def fingerprint(name):
     return {"params": params, "buffers": buffers, "grads": sum(p.grad is not None for p in m.parameters()),
             "opt_state": len(opt.state), "lr": [g["lr"] for g in opt.param_groups],
             "sched": scheds[name].last_epoch if name in scheds else None,
+            "scale": scalers[name].get_scale() if scalers[name] is not None else None,
             "frozen": sum(not p.requires_grad for p in m.parameters()), "training": m.training,
             "rng": int(torch.cuda.get_rng_state().double().sum())}
 
@@ -496,7 +500,7 @@ ROWS = {
     "hf_bert_frozen_sgd": ("make('hf_bert_frozen_sgd', hf_bert_frozen, sentences(30522, 256, 4), opt=trainable_sgd)",
                            "hf_bert_frozen_sgd --input 256", False),
     "hf_llama_bf16_weights": ("make('hf_llama_bf16_weights', hf_llama, tokens(32000, 512), weights=torch.bfloat16, "
-                              "opt=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True))",
+                              "opt=fused_adamw)",
                               "hf_llama_bf16_weights --input 512", False),
     "gpt_sched_step": ("make('gptsched', GPT, tokens(32000, 512), "
                        "opt=lambda m: torch.optim.Adam(m.parameters(), lr=3e-4, foreach=False)); "
@@ -504,7 +508,7 @@ ROWS = {
                        "max_lr=3e-4, total_steps=10**6); clip.add('gptsched')",
                        "--step gpt_sched_step", False),
     "hf_llama_bf16w_step": ("make('llbw', hf_llama, tokens(32000, 512), weights=torch.bfloat16, "
-                            "opt=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True))",
+                            "opt=fused_adamw)",
                             "--step hf_llama_bf16w_step", False),
     "hf_t5_step": ("make('t5', hf_t5, tokens(32128, 512)); own_loss.add('t5')", "--step hf_t5_step", False),
     "resnet18_fp16_scaler": ("make('resnet18_fp16_scaler', ResNet18, images(224, 1000), torch.float16)",

@@ -917,8 +917,8 @@ fn assumptions(
                 "a standard step of {}: zero_grad, forward, loss, backward{scaler}, optimizer \
                  step; {STEPS_PER_TRIAL} steps per trial (two far below the limit when the \
                  second leaves memory as the first did), the last output alive into the next \
-                 step as in a for loop; at the limit your own loop can fit a sample or two \
-                 fewer (the order it frees memory in): --step FN sizes your own step exactly",
+                 step as in a for loop; at the limit your own loop can differ by a sample or two \
+                 (the order it frees memory in): --step FN sizes your own step exactly",
                 spec.target
             )
         };
