@@ -195,6 +195,8 @@ def train(name, batch, steps):
                 else:
                     out = m(x)
                     out = getattr(out, "logits", out)  # a Hugging Face model's output
+                    if isinstance(out, dict):  # torchvision's segmentation models: {'out': ...}
+                        out = out["out"]
                     loss = F.cross_entropy(out.reshape(-1, out.shape[-1]) if out.dim() == 3 else out,
                                            y.reshape(-1) if out.dim() == 3 else y) / micro
             if scaler is not None:
@@ -457,6 +459,32 @@ def fingerprint(name):
 
 def sentences(vocab, seq, classes):  # token ids and one label per sequence
     return lambda b: (torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, classes, (b,), device=dev))
+
+# Rows new to the suite on 2026-12-05: torchvision's own models with the optimizers of its
+# reference recipes, as a new user would bring them (the device's torchvision, not carried).
+def tv(name, **kw):
+    def factory():
+        import torchvision
+        return getattr(torchvision.models, name)(weights=None, **kw)
+    return factory
+
+def tv_deeplabv3():  # DeepLabV3-ResNet50, 21 classes: its forward returns {'out': [B, 21, H, W]}
+    import torchvision
+    return torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None,
+                                                              num_classes=21)
+
+def tv_r3d18():  # a 3D-conv video classifier (5-D input: clips of 16 frames)
+    import torchvision
+    return torchvision.models.video.r3d_18(weights=None, num_classes=400)
+
+def clips(frames, size, classes):
+    return lambda b: (torch.randn(b, 3, frames, size, size, device=dev), torch.randint(0, classes, (b,), device=dev))
+
+def rmsprop_recipe(m):  # torchvision's MobileNetV3 recipe
+    return torch.optim.RMSprop(m.parameters(), lr=0.064, alpha=0.9, eps=0.0316, momentum=0.9, weight_decay=1e-5)
+
+def sgd_recipe(m):  # torchvision's segmentation and video recipes
+    return torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9, weight_decay=1e-4)
 """
 
 # row: (name, setup code, magic arguments, libtorch too?, lightning?)
@@ -515,6 +543,16 @@ ROWS = {
                              "resnet18_fp16_scaler --input 3x224x224 --amp fp16", False),
     "hf_resnet50_cl_step": ("make('rn50cl', hf_resnet50_cl, images_cl(224, 1000), torch.bfloat16)",
                             "--step rn50_cl_step", False),
+    # Rows new to the suite on 2026-12-05: torchvision models (see tv() above).
+    "tv_efficientnet_b0_fp32": ("make('tv_efficientnet_b0_fp32', tv('efficientnet_b0'), images(224, 1000))",
+                                "tv_efficientnet_b0_fp32 --input 3x224x224", False),
+    "tv_mobilenet_v3_bf16": ("make('tv_mobilenet_v3_bf16', tv('mobilenet_v3_large'), images(224, 1000), "
+                             "torch.bfloat16, opt=rmsprop_recipe)",
+                             "tv_mobilenet_v3_bf16 --input 3x224x224 --amp bf16", False),
+    "tv_deeplabv3_fp32": ("make('tv_deeplabv3_fp32', tv_deeplabv3, masks(256, 21), opt=sgd_recipe)",
+                          "tv_deeplabv3_fp32 --input 3x256x256", False),
+    "tv_r3d18_fp32": ("make('tv_r3d18_fp32', tv_r3d18, clips(16, 112, 400), opt=sgd_recipe)",
+                      "tv_r3d18_fp32 --input 3x16x112x112", False),
 }
 # The --step rows: the notebook variable their function trains.
 STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum",
