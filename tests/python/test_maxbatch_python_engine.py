@@ -51,6 +51,13 @@ class Seg(torch.nn.Module):
     def forward(self, x):
         return self.conv(x)
 
+class SegAux(Seg):  # {'out', 'aux'}, as torchvision's segmentation models with aux_loss
+    def __init__(self):
+        super().__init__()
+        self.aux = torch.nn.Conv2d(3, 5, 1)
+    def forward(self, x):
+        return {"out": self.conv(x), "aux": self.aux(x)}
+
 class Regress(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -68,7 +75,7 @@ for _ in range(2):
     F.cross_entropy(out.reshape(-1, 50), torch.randint(0, 50, (32,))).backward()
     opt.step(); sched.step()
 lm.drop.eval()
-seg, regress = Seg(), Regress()
+seg, seg_aux, regress = Seg(), SegAux(), Regress()
 
 def snapshot():
     return (copy.deepcopy(lm.state_dict()), [None if p.grad is None else p.grad.clone()
@@ -211,6 +218,8 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
 
 @pytest.mark.parametrize("cell, loss", [
     ("%maxbatch seg --input 3x8x8 --optimizer sgd", "cross-entropy over dimension 1 (5 classes"),
+    ("%maxbatch seg_aux --input 3x8x8", "cross-entropy over dimension 1 (5 classes, per "
+     "position), on output['out'] and the heads shaped like it (output['aux']), summed"),
     ("%maxbatch regress --input 8", "mean squared error"),
     ("%maxbatch regress --input 8 --loss mean", "the output's mean"),
     # --target-classes picks the dimension: of [2, 5, 8, 8], the last one holds 8.
@@ -375,6 +384,46 @@ def test_the_loss_is_computed_on_the_first_tensor_that_is_not_a_scalar(trials):
     assert trials._select_output(torch, [aux]) == (aux, "output[0]")  # nothing else to take
     with pytest.raises(trials.MaxBatchError, match="returned a tuple with no floating-point"):
         trials._select_output(torch, (torch.tensor([1, 2]),))
+
+
+def test_auxiliary_heads_shaped_like_the_output_are_trained_by_the_loss(trials):
+    """A head left out of the loss would keep its graph alive until the next forward, memory
+    the user's own step (which trains it) frees in its backward."""
+    import torch
+
+    class SegWithAux(torch.nn.Module):
+        """torchvision's segmentation models' output: {'out': ..., 'aux': ...}, the
+        auxiliary head trained with the main one (loss = ce(out) + 0.5 * ce(aux))."""
+
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Conv2d(3, 8, 3, padding=1)
+            self.head = torch.nn.Conv2d(8, 5, 1)
+            self.aux = torch.nn.Conv2d(8, 5, 1)
+
+        def forward(self, x):
+            features = self.body(x).relu()
+            return {"out": self.head(features), "aux": self.aux(features)}
+
+    model = SegWithAux()
+    reached = []
+    model.aux.register_full_backward_hook(lambda *_: reached.append("aux"))
+    ns = {"model": model}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                              "input": [3, 6, 6]})
+    assert reply["output"]["selected"] == "output['out']"
+    assert reply["output"]["heads"] == ["output['aux']"]
+    call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 5, "class_dim": 1})
+    assert call(trials, ns, "trial", batch=3, steps=2)["result"] == "ran"
+    assert reached, "the auxiliary head's backward never ran: it was left out of the loss"
+    call(trials, ns, "close")
+
+    logits, other = torch.randn(2, 7), torch.randn(2, 7)
+    assert [w for w, _ in trials._heads(torch, (logits, other), logits)] == ["output[1]"]
+    # A Hugging Face-like output: a scalar loss and tensors of other shapes are not heads.
+    hf = {"loss": torch.tensor(1.0), "logits": logits, "hidden": torch.randn(2, 3)}
+    assert trials._heads(torch, hf, logits) == []
+    assert trials._heads(torch, logits, logits) == []
 
 
 def test_a_buffer_the_forward_replaces_is_put_back_as_it_was(trials):

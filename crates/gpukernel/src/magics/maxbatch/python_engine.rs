@@ -100,6 +100,9 @@ struct OutputInfo {
     shape: Vec<i64>,
     dtype: String,
     selected: String,
+    /// Auxiliary heads shaped like the selected output, which the loss trains with it.
+    #[serde(default)]
+    heads: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -972,9 +975,17 @@ fn loss_text(args: &Args, prepared: &Prepared, plan: &LossPlan) -> String {
         .as_ref()
         .filter(|_| guessed)
         .and_then(|o| loss::alternative(&o.shape, plan, vocab));
-    match hint {
+    let text = match hint {
         Some(hint) => format!("{plan} ({hint})"),
         None => plan.to_string(),
+    };
+    match prepared.output.as_ref().filter(|o| !o.heads.is_empty()) {
+        Some(o) => format!(
+            "{text}, on {} and the heads shaped like it ({}), summed",
+            o.selected,
+            o.heads.join(", ")
+        ),
+        None => text,
     }
 }
 

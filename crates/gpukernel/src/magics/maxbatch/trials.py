@@ -396,6 +396,22 @@ def _select_output(torch, out):
                         "tensor to compute a loss on; use --step FN with your own step")
 
 
+def _heads(torch, out, selected):
+    """The output's other tensors shaped like `selected`: auxiliary heads (torchvision's
+    segmentation `{'out', 'aux'}`, Inception's `aux_logits`), which a user's loss trains with
+    the main one. Left out of the loss, a head's graph would stay alive with the output until
+    the next forward, memory the user's step frees in its backward. Returns [(where, tensor)]."""
+    if isinstance(out, dict):
+        items = [(f"output[{k!r}]", v) for k, v in out.items()]
+    elif isinstance(out, (tuple, list)):
+        items = [(f"output[{i}]", v) for i, v in enumerate(out)]
+    else:
+        return []
+    return [(where, v) for where, v in items
+            if torch.is_tensor(v) and v is not selected and v.is_floating_point()
+            and v.shape == selected.shape]
+
+
 class ModuleStep:
     """One standard training step of a notebook module (see the module docstring)."""
 
@@ -528,8 +544,9 @@ class ModuleStep:
                 f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}; "
                 f"check {check}, or if it takes more than one input: {STEP_HINT}") from None
         tensor, where = _select_output(torch, out)
+        heads = [] if self.inference else [w for w, _ in _heads(torch, out, tensor)]
         return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
-                "selected": where}
+                "selected": where, "heads": heads}
 
     def _autocast(self):
         import contextlib
@@ -538,9 +555,16 @@ class ModuleStep:
         return self.torch.autocast(self.device.type, dtype=self.amp)
 
     def _loss(self, out):
+        """The plan's loss on the selected output, summed over the heads shaped like it."""
+        tensor, _ = _select_output(self.torch, out)
+        loss = self._loss_on(tensor)
+        for _, head in _heads(self.torch, out, tensor):
+            loss = loss + self._loss_on(head)
+        return loss
+
+    def _loss_on(self, tensor):
         torch = self.torch
         F = torch.nn.functional
-        tensor, _ = _select_output(torch, out)
         plan = self.loss_plan or {"kind": "mean"}
         if plan["kind"] == "ce":
             classes = plan["classes"]
