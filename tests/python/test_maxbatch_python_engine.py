@@ -418,8 +418,14 @@ def test_auxiliary_heads_shaped_like_the_output_are_trained_by_the_loss(trials):
     assert reached, "the auxiliary head's backward never ran: it was left out of the loss"
     call(trials, ns, "close")
 
+    import collections
     logits, other = torch.randn(2, 7), torch.randn(2, 7)
     assert [w for w, _ in trials._heads(torch, (logits, other), logits)] == ["output[1]"]
+    # Inception's and GoogLeNet's named tuples: the heads by their field names.
+    inception = collections.namedtuple("InceptionOutputs", ["logits", "aux_logits"])
+    out = inception(logits, other)
+    assert trials._select_output(torch, out) == (logits, "output.logits")
+    assert [w for w, _ in trials._heads(torch, out, logits)] == ["output.aux_logits"]
     # A Hugging Face-like output: a scalar loss and tensors of other shapes are not heads.
     hf = {"loss": torch.tensor(1.0), "logits": logits, "hidden": torch.randn(2, 3)}
     assert trials._heads(torch, hf, logits) == []

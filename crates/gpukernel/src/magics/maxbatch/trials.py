@@ -372,6 +372,18 @@ def _function_refs(fn):
 
 # --- the standard step built from a module -------------------------------------------------
 
+def _output_items(out):
+    """A container output's entries as [(how to reach it, value)]: a dict's (a Hugging Face
+    ModelOutput is one) by key, a named tuple's by field, a tuple's or list's by index."""
+    if isinstance(out, dict):
+        return [(f"output[{k!r}]", v) for k, v in out.items()]
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        return [(f"output.{k}", v) for k, v in zip(out._fields, out)]
+    if isinstance(out, (tuple, list)):
+        return [(f"output[{i}]", v) for i, v in enumerate(out)]
+    return []
+
+
 def _select_output(torch, out):
     """The tensor a loss is computed on: the output itself, `.logits` / ['logits'], or the
     first floating-point tensor of a tuple or dict that is not a scalar (a model that returns
@@ -381,15 +393,10 @@ def _select_output(torch, out):
     logits = getattr(out, "logits", None)
     if torch.is_tensor(logits):
         return logits, "output.logits"
-    if isinstance(out, dict):
-        if torch.is_tensor(out.get("logits")):
-            return out["logits"], "output['logits']"
-        items = [(f"output[{k!r}]", v) for k, v in out.items()]
-    elif isinstance(out, (tuple, list)):
-        items = [(f"output[{i}]", v) for i, v in enumerate(out)]
-    else:
-        items = []
-    floats = [(where, v) for where, v in items if torch.is_tensor(v) and v.is_floating_point()]
+    if isinstance(out, dict) and torch.is_tensor(out.get("logits")):
+        return out["logits"], "output['logits']"
+    floats = [(where, v) for where, v in _output_items(out)
+              if torch.is_tensor(v) and v.is_floating_point()]
     for where, v in sorted(floats, key=lambda f: f[1].dim() == 0):  # stable: scalars last
         return v, where
     raise MaxBatchError(f"the model returned {_a(out)} with no floating-point "
@@ -401,13 +408,7 @@ def _heads(torch, out, selected):
     segmentation `{'out', 'aux'}`, Inception's `aux_logits`), which a user's loss trains with
     the main one. Left out of the loss, a head's graph would stay alive with the output until
     the next forward, memory the user's step frees in its backward. Returns [(where, tensor)]."""
-    if isinstance(out, dict):
-        items = [(f"output[{k!r}]", v) for k, v in out.items()]
-    elif isinstance(out, (tuple, list)):
-        items = [(f"output[{i}]", v) for i, v in enumerate(out)]
-    else:
-        return []
-    return [(where, v) for where, v in items
+    return [(where, v) for where, v in _output_items(out)
             if torch.is_tensor(v) and v is not selected and v.is_floating_point()
             and v.shape == selected.shape]
 
