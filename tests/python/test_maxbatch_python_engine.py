@@ -220,6 +220,10 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
     ("%maxbatch seg --input 3x8x8 --optimizer sgd", "cross-entropy over dimension 1 (5 classes"),
     ("%maxbatch seg_aux --input 3x8x8", "cross-entropy over dimension 1 (5 classes, per "
      "position), on output['out'] and the heads shaped like it (output['aux']), summed"),
+    # The libtorch engine selects and sums alike on the notebook module's TorchScript copy.
+    ("%maxbatch seg_aux --input 3x8x8 --engine libtorch", "cross-entropy over dimension 1 (5 "
+     "classes, per position), on output['out'] and the heads shaped like it (output['aux']), "
+     "summed"),
     ("%maxbatch regress --input 8", "mean squared error"),
     ("%maxbatch regress --input 8 --loss mean", "the output's mean"),
     # --target-classes picks the dimension: of [2, 5, 8, 8], the last one holds 8.

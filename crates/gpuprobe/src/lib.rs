@@ -5,7 +5,8 @@
 //! - [`process`]: who a pid belongs to and what it runs, read from `/proc`.
 //! - `torch` (cargo feature `torch`): libtorch through tch; serves the plugin's requests.
 //! - [`search`] and [`loss`]: the batch-size search and the loss a trial step computes, pure
-//!   and shared by both `%maxbatch` engines.
+//!   and shared by both `%maxbatch` engines; `output` (feature `torch`): which of a
+//!   TorchScript model's outputs that loss is computed on.
 //! - `allocator` (cargo feature `torch`): libtorch's CUDA caching allocator through a small C++
 //!   shim (`shim/`), since tch has no allocator API.
 //!
@@ -18,6 +19,8 @@ pub mod loss;
 #[cfg(feature = "torch")]
 pub mod maxbatch;
 pub mod nvml;
+#[cfg(feature = "torch")]
+pub mod output;
 pub mod plugin_api;
 pub mod process;
 pub mod search;

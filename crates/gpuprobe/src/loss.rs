@@ -57,6 +57,32 @@ impl fmt::Display for LossPlan {
     }
 }
 
+/// What the loss is computed on when a model returns several tensors. Both engines select
+/// alike (gpuprobe's `output` module for TorchScript, trials.py's `_select_output` in the
+/// Python kernel): the loss trains the selected tensor and the auxiliary heads shaped like it.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LossInputs {
+    /// How the tensor the loss is computed on was found: `output`, `output['out']`.
+    pub selected: String,
+    /// Auxiliary heads shaped like it (torchvision's `output['aux']`), in the loss too.
+    #[serde(default)]
+    pub heads: Vec<String>,
+}
+
+impl LossInputs {
+    /// `plan`'s description, naming the heads where there are any.
+    pub fn describe(&self, plan: impl fmt::Display) -> String {
+        if self.heads.is_empty() {
+            return plan.to_string();
+        }
+        format!(
+            "{plan}, on {} and the heads shaped like it ({}), summed",
+            self.selected,
+            self.heads.join(", ")
+        )
+    }
+}
+
 /// Why no plan could be made.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LossError {

@@ -15,7 +15,8 @@
 //! with its real OOMs, not estimated.
 
 use crate::allocator;
-use crate::loss::{self, LossPlan};
+use crate::loss::{self, LossInputs, LossPlan};
+use crate::output::{NoLossTensor, Output};
 use crate::plugin_api::{
     MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision, StepsReport,
     ThroughputPoint, BUILTIN_MODELS,
@@ -38,6 +39,8 @@ pub enum TrialError {
     Allocator(#[from] allocator::AllocatorError),
     #[error(transparent)]
     Loss(#[from] loss::LossError),
+    #[error(transparent)]
+    Output(#[from] NoLossTensor),
     /// libtorch panicked (tch panics on a failed op): its message.
     #[error("{0}")]
     Panicked(String),
@@ -67,10 +70,14 @@ enum Model {
 }
 
 impl Model {
-    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, TrialError> {
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Output, TrialError> {
         match self {
-            Model::Builtin(m) => Ok(m.forward_t(x, train)),
-            Model::Script(m) => Ok(m.forward_ts(&[x])?),
+            Model::Builtin(m) => Ok(Output::single(m.forward_t(x, train))),
+            // A dict or tuple of tensors (torchvision's segmentation models, Inception's
+            // aux_logits) as well as a tensor: selected as the python engine selects.
+            Model::Script(m) => Ok(Output::select(
+                m.forward_is(&[tch::IValue::Tensor(x.shallow_clone())])?,
+            )?),
         }
     }
 }
@@ -138,6 +145,8 @@ struct Trainer {
     inference: bool,
     /// The loss of a training step, planned from the output of a batch of 2.
     loss: Option<LossPlan>,
+    /// What that loss is computed on, where the model returns several tensors.
+    loss_inputs: Option<LossInputs>,
     /// A trial stops at its next step once it has run this long.
     deadline: Option<std::time::Duration>,
     /// The last step's output, kept as a user's loop keeps `out = model(x)`: alive through
@@ -145,7 +154,7 @@ struct Trainer {
     /// one's output replaces it. For a language model that is a logits tensor per sample
     /// (65 MB at 512 tokens x 32k vocab in fp32) that the peak includes; dropped right after
     /// the loss, the engine's answer came out 15% above the user's loop (maxbatch-truth-2026-12-03).
-    last_output: Option<Tensor>,
+    last_output: Option<Output>,
 }
 
 impl Trainer {
@@ -203,6 +212,7 @@ impl Trainer {
             amp: request.amp,
             inference: request.inference,
             loss: None,
+            loss_inputs: None,
             deadline: request
                 .trial_timeout_s
                 .filter(|s| s.is_finite() && *s > 0.0)
@@ -210,29 +220,40 @@ impl Trainer {
             last_output: None,
         };
         if !request.inference {
-            trainer.loss = Some(trainer.plan_loss(request)?);
+            let (plan, inputs) = trainer.plan_loss(request)?;
+            trainer.loss = Some(plan);
+            trainer.loss_inputs = Some(inputs);
             trainer.optimizer = trainer.make_optimizer(request.optimizer)?;
         }
         Ok(trainer)
     }
 
-    /// The loss for this model's output (see [`crate::loss`]), from a forward pass of two
-    /// samples without gradients.
-    fn plan_loss(&self, request: &MaxBatchRequest) -> Result<LossPlan, TrialError> {
-        let shape = {
+    /// The loss for this model's output (see [`crate::loss`]) and what it is computed on,
+    /// from a forward pass of two samples without gradients.
+    fn plan_loss(&self, request: &MaxBatchRequest) -> Result<(LossPlan, LossInputs), TrialError> {
+        let (shape, inputs) = {
             let _guard = tch::no_grad_guard();
             let x = self.batch_input(2)?;
             let y = catch_unwind(AssertUnwindSafe(|| self.forward(&x, true))).map_err(|_| {
                 TrialError::request("the model's forward pass failed: check --input")
             })??;
-            y.size()
+            let inputs = LossInputs {
+                selected: y.selected.clone(),
+                heads: y.head_names(),
+            };
+            (y.main.size(), inputs)
         };
-        Ok(loss::plan(
-            &shape,
-            request.loss,
-            request.target_classes,
-            self.vocab,
-        )?)
+        let plan = loss::plan(&shape, request.loss, request.target_classes, self.vocab)?;
+        Ok((plan, inputs))
+    }
+
+    /// The planned loss of the selected output, summed over the heads shaped like it.
+    fn loss_on(&self, output: &Output) -> Result<Tensor, TrialError> {
+        let mut loss = self.loss_of(&output.main)?;
+        for (_, head) in &output.heads {
+            loss = loss.f_add(&self.loss_of(head)?)?;
+        }
+        Ok(loss)
     }
 
     /// The loss of `y` as planned: random targets of the right shape.
@@ -304,7 +325,7 @@ impl Trainer {
     /// The optimizer state is allocated by a real step, so it counts in the fixed part.
     /// The forward pass, autocast with `--amp`. Autocast covers the forward pass only, as
     /// torch.autocast is used in training loops: backward runs in the dtypes it chose.
-    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, TrialError> {
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Output, TrialError> {
         let _amp = self.autocast()?;
         self.model.forward(x, train)
     }
@@ -325,7 +346,7 @@ impl Trainer {
         let y = self.model.forward(x, true)?;
         // Replaces (frees) the previous output only now that this one exists.
         self.last_output = Some(y.shallow_clone());
-        self.loss_of(&y)
+        self.loss_on(&y)
     }
 
     fn step(&mut self, batch: u64) -> Result<(), TrialError> {
@@ -636,7 +657,10 @@ pub fn validate_on_cpu(request: &MaxBatchRequest) -> Result<String, TrialError> 
         trainer.input,
         trainer
             .loss
-            .map(|l| format!(", loss {l}"))
+            .map(|l| format!(
+                ", loss {}",
+                trainer.loss_inputs.clone().unwrap_or_default().describe(l)
+            ))
             .unwrap_or_default()
     ))
 }
@@ -663,10 +687,13 @@ pub fn run(
     // the first step allocates among its activations fragments the cache differently from
     // state carried over from a smaller trial.
     let _interpreted = Interpreted::enter();
-    let (baseline, budget, loss_plan) = {
+    let (baseline, budget, loss_plan, loss_inputs) = {
         let probe_build = Trainer::new(request, Device::Cuda(device))?;
         let stats = allocator::device_stats(device)?;
-        (stats, Budget::new(request)?, probe_build.loss)
+        let Trainer {
+            loss, loss_inputs, ..
+        } = probe_build;
+        (stats, Budget::new(request)?, loss, loss_inputs)
     };
     let limit = budget.bytes;
     let config = SearchConfig {
@@ -713,6 +740,7 @@ pub fn run(
     Ok(MaxBatchReport {
         search: result,
         loss: loss_plan,
+        loss_inputs,
         limit,
         context_bytes,
         baseline_allocated: baseline.allocated_bytes.current.max(0) as u64,
@@ -770,11 +798,14 @@ mod tests {
         r.input = Some(vec![3, 32, 32]);
         let plain = Trainer::new(&r, Device::Cpu).expect("model");
         let x = plain.batch_input(2).expect("input");
-        assert_eq!(plain.forward(&x, true).expect("fp32").kind(), Kind::Float);
+        assert_eq!(
+            plain.forward(&x, true).expect("fp32").main.kind(),
+            Kind::Float
+        );
         r.amp = Some(Precision::Bf16);
         let mixed = Trainer::new(&r, Device::Cpu).expect("model");
         assert_eq!(
-            mixed.forward(&x, true).expect("bf16").kind(),
+            mixed.forward(&x, true).expect("bf16").main.kind(),
             Kind::BFloat16
         );
         validate_on_cpu(&r).expect("bf16 autocast trains on the CPU");

@@ -202,6 +202,9 @@ pub struct MaxBatchReport {
     /// The loss the trials computed (`None`: inference, no loss).
     #[serde(default)]
     pub loss: Option<crate::loss::LossPlan>,
+    /// What the loss was computed on where the model returns several tensors.
+    #[serde(default)]
+    pub loss_inputs: Option<crate::loss::LossInputs>,
     /// What the caching allocator could hold during the search (the card less the context).
     pub limit: u64,
     /// This process's CUDA context on the device (NVML's figure less the allocator's), taken

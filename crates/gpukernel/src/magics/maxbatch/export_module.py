@@ -99,7 +99,9 @@ def _trace(torch, module, shape, vocab, train):
         # Traced in the mode the trials run in (a trace records one mode's graph).
         module.train(train)
         with torch.no_grad():
-            return torch.jit.trace(module, example, check_trace=False)
+            # strict=False: a dict output (a Hugging Face ModelOutput, torchvision's
+            # {"out", "aux"}) is traced too; the engine selects from it as the python one does.
+            return torch.jit.trace(module, example, check_trace=False, strict=False)
     finally:
         with torch.no_grad():
             for buffer, value in saved:

@@ -387,7 +387,9 @@ fn assumptions(
         } else {
             format!("forward, loss, backward and optimizer step of {source}, 3 steps per trial")
         },
-        loss: report.loss.map(|l| l.to_string()),
+        loss: report
+            .loss
+            .map(|l| report.loss_inputs.clone().unwrap_or_default().describe(l)),
         precision,
         optimizer,
         input: Some(format!("{input} per sample{tokens}")),

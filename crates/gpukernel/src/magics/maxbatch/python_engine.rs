@@ -9,7 +9,7 @@ use super::report::{
 use super::{Args, SearchKind};
 use crate::magics::python::{module_call_expression, Bound, EvalError, PythonKernel};
 use crate::magics::{MagicContext, MagicError, Output};
-use gpuprobe::loss::{self, LossPlan};
+use gpuprobe::loss::{self, LossInputs, LossPlan};
 use gpuprobe::search::{self, Outcome, SearchConfig, Stop};
 use gpuprobe::units::human_bytes;
 use serde::de::DeserializeOwned;
@@ -99,10 +99,9 @@ struct Memory {
 struct OutputInfo {
     shape: Vec<i64>,
     dtype: String,
-    selected: String,
-    /// Auxiliary heads shaped like the selected output, which the loss trains with it.
-    #[serde(default)]
-    heads: Vec<String>,
+    /// The selected tensor and the heads trained with it.
+    #[serde(flatten)]
+    inputs: LossInputs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -947,7 +946,7 @@ fn assumptions(
         let output = prepared
             .output
             .as_ref()
-            .map(|o| format!(", {} {:?} {}", o.selected, o.shape, o.dtype))
+            .map(|o| format!(", {} {:?} {}", o.inputs.selected, o.shape, o.dtype))
             .unwrap_or_default();
         (
             what,
@@ -979,12 +978,8 @@ fn loss_text(args: &Args, prepared: &Prepared, plan: &LossPlan) -> String {
         Some(hint) => format!("{plan} ({hint})"),
         None => plan.to_string(),
     };
-    match prepared.output.as_ref().filter(|o| !o.heads.is_empty()) {
-        Some(o) => format!(
-            "{text}, on {} and the heads shaped like it ({}), summed",
-            o.selected,
-            o.heads.join(", ")
-        ),
+    match &prepared.output {
+        Some(o) => o.inputs.describe(text),
         None => text,
     }
 }

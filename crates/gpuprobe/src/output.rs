@@ -1,0 +1,209 @@
+//! What a loss is computed on when a TorchScript model returns more than one tensor.
+//!
+//! The same rules as the python engine's `_select_output` and `_heads` (gpukernel's
+//! `maxbatch/trials.py`), so that both engines train the same loss on the same model: the
+//! output itself if it is a tensor; else a dict's `'logits'`; else the first floating-point
+//! tensor that is not a scalar (a model returning `(aux_loss, logits)` puts a loss first).
+//! The other floating-point tensors shaped like it are auxiliary heads (torchvision's
+//! segmentation `{'out', 'aux'}`, Inception's `aux_logits`), which a user's loss trains too.
+
+use tch::{IValue, Tensor};
+
+/// A forward pass's output as the loss sees it. Holds every tensor of the output, so keeping
+/// it keeps the whole output alive, as `out = model(x)` in a loop does.
+#[derive(Debug)]
+pub struct Output {
+    /// The tensor the loss is computed on.
+    pub main: Tensor,
+    /// How `main` was found: `output`, `output['out']`, `output[1]`.
+    pub selected: String,
+    /// Auxiliary heads shaped like `main`, with where each was found.
+    pub heads: Vec<(String, Tensor)>,
+    /// The output's other tensors (a KV cache, attention maps): kept alive, not in the loss.
+    rest: Vec<Tensor>,
+}
+
+/// The output holds no floating-point tensor to compute a loss on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the model returned {what} with no floating-point tensor to compute a loss on; use the \
+     python engine with --step FN and your own step"
+)]
+pub struct NoLossTensor {
+    what: String,
+}
+
+impl Output {
+    /// A plain tensor output.
+    pub fn single(main: Tensor) -> Self {
+        Output {
+            main,
+            selected: "output".into(),
+            heads: Vec::new(),
+            rest: Vec::new(),
+        }
+    }
+
+    /// Another handle on the same tensors (no copy).
+    pub fn shallow_clone(&self) -> Self {
+        Output {
+            main: self.main.shallow_clone(),
+            selected: self.selected.clone(),
+            heads: self
+                .heads
+                .iter()
+                .map(|(w, t)| (w.clone(), t.shallow_clone()))
+                .collect(),
+            rest: self.rest.iter().map(Tensor::shallow_clone).collect(),
+        }
+    }
+
+    /// Selects the loss's tensor and heads from what `forward` returned.
+    pub fn select(value: IValue) -> Result<Self, NoLossTensor> {
+        let what = describe(&value);
+        let items = match value {
+            IValue::Tensor(t) => return Ok(Output::single(t)),
+            IValue::GenericDict(entries) => entries
+                .into_iter()
+                .filter_map(|(key, value)| match value {
+                    IValue::Tensor(t) => Some((format!("output[{}]", key_text(&key)), t)),
+                    _ => None,
+                })
+                .collect(),
+            IValue::Tuple(values) | IValue::GenericList(values) => values
+                .into_iter()
+                .enumerate()
+                .filter_map(|(i, value)| match value {
+                    IValue::Tensor(t) => Some((format!("output[{i}]"), t)),
+                    _ => None,
+                })
+                .collect(),
+            IValue::TensorList(tensors) => tensors
+                .into_iter()
+                .enumerate()
+                .map(|(i, t)| (format!("output[{i}]"), t))
+                .collect(),
+            _ => Vec::new(),
+        };
+        Self::from_items(items).ok_or(NoLossTensor { what })
+    }
+
+    fn from_items(mut items: Vec<(String, Tensor)>) -> Option<Self> {
+        let floating = |t: &Tensor| t.is_floating_point();
+        let index = items
+            .iter()
+            .position(|(w, t)| w == "output['logits']" && floating(t))
+            .or_else(|| items.iter().position(|(_, t)| floating(t) && t.dim() > 0))
+            .or_else(|| items.iter().position(|(_, t)| floating(t)))?;
+        let (selected, main) = items.remove(index);
+        let (heads, rest): (Vec<_>, Vec<_>) = items
+            .into_iter()
+            .partition(|(_, t)| floating(t) && t.size() == main.size());
+        Some(Output {
+            main,
+            selected,
+            heads,
+            rest: rest.into_iter().map(|(_, t)| t).collect(),
+        })
+    }
+
+    /// Where the heads were found, for the report.
+    pub fn head_names(&self) -> Vec<String> {
+        self.heads.iter().map(|(w, _)| w.clone()).collect()
+    }
+}
+
+/// A dict key as Python writes it in a subscript: `'out'`, `3`.
+fn key_text(key: &IValue) -> String {
+    match key {
+        IValue::String(s) => format!("'{s}'"),
+        IValue::Int(i) => i.to_string(),
+        other => describe(other),
+    }
+}
+
+fn describe(value: &IValue) -> String {
+    match value {
+        IValue::GenericDict(_) => "a dict".into(),
+        IValue::Tuple(_) => "a tuple".into(),
+        IValue::GenericList(_) | IValue::TensorList(_) => "a list".into(),
+        IValue::None => "None".into(),
+        IValue::Int(_) | IValue::Double(_) | IValue::Bool(_) => "a number".into(),
+        IValue::String(_) => "a string".into(),
+        _ => "an object".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{Device, Kind};
+
+    fn t(shape: &[i64]) -> Tensor {
+        Tensor::zeros(shape, (Kind::Float, Device::Cpu))
+    }
+
+    fn key(s: &str) -> IValue {
+        IValue::String(s.into())
+    }
+
+    #[test]
+    fn a_tensor_is_its_own_loss_input() {
+        let out = Output::select(IValue::Tensor(t(&[2, 5]))).expect("a tensor");
+        assert_eq!(out.selected, "output");
+        assert!(out.heads.is_empty());
+    }
+
+    #[test]
+    fn a_segmentation_dicts_aux_head_is_a_head_and_logits_win_in_a_dict() {
+        let seg = IValue::GenericDict(vec![
+            (key("out"), IValue::Tensor(t(&[2, 21, 8, 8]))),
+            (key("aux"), IValue::Tensor(t(&[2, 21, 8, 8]))),
+        ]);
+        let out = Output::select(seg).expect("a dict of tensors");
+        assert_eq!(out.selected, "output['out']");
+        assert_eq!(out.head_names(), vec!["output['aux']".to_string()]);
+        let hf = IValue::GenericDict(vec![
+            (key("loss"), IValue::Tensor(t(&[]))),
+            (key("hidden"), IValue::Tensor(t(&[2, 7]))),
+            (key("logits"), IValue::Tensor(t(&[2, 7, 50]))),
+        ]);
+        let out = Output::select(hf).expect("a dict with logits");
+        assert_eq!(out.selected, "output['logits']");
+        assert!(out.heads.is_empty(), "{:?}", out.head_names());
+    }
+
+    #[test]
+    fn a_scalar_first_is_passed_over_and_integer_tensors_are_not_heads() {
+        let tuple = IValue::Tuple(vec![
+            IValue::Tensor(t(&[])),
+            IValue::Tensor(t(&[2, 10])),
+            IValue::Tensor(Tensor::zeros([2, 10], (Kind::Int64, Device::Cpu))),
+            IValue::Tensor(t(&[2, 10])),
+            IValue::Int(3),
+        ]);
+        let out = Output::select(tuple).expect("a tuple");
+        assert_eq!(out.selected, "output[1]");
+        assert_eq!(out.head_names(), vec!["output[3]".to_string()]);
+        assert_eq!(
+            out.rest.len(),
+            2,
+            "the scalar and the ids stay alive with the output"
+        );
+    }
+
+    #[test]
+    fn nothing_to_compute_a_loss_on_is_explained() {
+        let ids = IValue::Tuple(vec![IValue::Tensor(Tensor::zeros(
+            [2],
+            (Kind::Int64, Device::Cpu),
+        ))]);
+        let err = Output::select(ids).unwrap_err().to_string();
+        assert!(
+            err.starts_with("the model returned a tuple with no floating-point"),
+            "{err}"
+        );
+        let err = Output::select(IValue::Int(1)).unwrap_err().to_string();
+        assert!(err.contains("returned a number with no"), "{err}");
+    }
+}
