@@ -138,7 +138,7 @@ pub async fn run(
     let iopub = spawn_iopub(channels.iopub, session.clone());
     spawn_heartbeat(channels.heartbeat);
 
-    let (mut child, sockets) = child::start(
+    let (child, sockets) = child::start(
         &child_argv,
         &info.key,
         &info.signature_scheme,
@@ -195,6 +195,18 @@ pub async fn run(
         }
     };
 
+    serve_until_end(child, shell_loop, &proxy, &iopub).await
+}
+
+/// Serves until the child exits, the frontend's shell socket closes, or SIGTERM comes. A
+/// child that exits unasked (no shutdown_request) is told to the frontend and ends gpukernel
+/// with an error, so the server restarts the pair; otherwise the child is stopped with us.
+async fn serve_until_end(
+    mut child: child::Child,
+    shell_loop: impl std::future::Future<Output = ()>,
+    proxy: &Proxy,
+    iopub: &Iopub,
+) -> Result<()> {
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let status = tokio::select! {
         status = child.process.wait() => Some(status),
@@ -207,7 +219,7 @@ pub async fn run(
             let why = status
                 .map(|s| s.to_string())
                 .unwrap_or_else(|e| e.to_string());
-            tell_child_died(&session, &iopub, child_pid, &why).await;
+            tell_child_died(&proxy.session, iopub, child.pid, &why).await;
             anyhow::bail!("the Python kernel exited unexpectedly ({why})");
         }
         Some(_) => {
