@@ -195,10 +195,13 @@ def train(name, batch, steps):
                 else:
                     out = m(x)
                     out = getattr(out, "logits", out)  # a Hugging Face model's output
-                    if isinstance(out, dict):  # torchvision's segmentation models: {'out': ...}
-                        out = out["out"]
+                    aux = None
+                    if isinstance(out, dict):  # torchvision's segmentation models: {'out', 'aux'}
+                        out, aux = out["out"], out.get("aux")
                     loss = F.cross_entropy(out.reshape(-1, out.shape[-1]) if out.dim() == 3 else out,
                                            y.reshape(-1) if out.dim() == 3 else y) / micro
+                    if aux is not None:  # torchvision's recipe: the aux head at weight 0.5
+                        loss = loss + 0.5 * F.cross_entropy(aux, y) / micro
             if scaler is not None:
                 scaler.scale(loss).backward()
             else:
@@ -473,6 +476,11 @@ def tv_deeplabv3():  # DeepLabV3-ResNet50, 21 classes: its forward returns {'out
     return torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None,
                                                               num_classes=21)
 
+def tv_fcn_aux():  # FCN-ResNet50 with its auxiliary head: {'out', 'aux'}, both trained
+    import torchvision
+    return torchvision.models.segmentation.fcn_resnet50(weights=None, weights_backbone=None,
+                                                        num_classes=21, aux_loss=True)
+
 def tv_r3d18():  # a 3D-conv video classifier (5-D input: clips of 16 frames)
     import torchvision
     return torchvision.models.video.r3d_18(weights=None, num_classes=400)
@@ -551,6 +559,8 @@ ROWS = {
                              "tv_mobilenet_v3_bf16 --input 3x224x224 --amp bf16", False),
     "tv_deeplabv3_fp32": ("make('tv_deeplabv3_fp32', tv_deeplabv3, masks(256, 21), opt=sgd_recipe)",
                           "tv_deeplabv3_fp32 --input 3x256x256", False),
+    "tv_fcn_aux_fp32": ("make('tv_fcn_aux_fp32', tv_fcn_aux, masks(256, 21), opt=sgd_recipe)",
+                        "tv_fcn_aux_fp32 --input 3x256x256", False),
     "tv_r3d18_fp32": ("make('tv_r3d18_fp32', tv_r3d18, clips(16, 112, 400), opt=sgd_recipe)",
                       "tv_r3d18_fp32 --input 3x16x112x112", False),
 }
