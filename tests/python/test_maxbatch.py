@@ -30,7 +30,7 @@ def test_builtin_model_is_validated_on_cpu(magics):
     assert reply["content"]["status"] == "ok", reply["content"]
     text = stream_text(outputs)
     assert "No CUDA GPU is visible to libtorch" in text
-    assert "one training step of batch 1 ran on the CPU with input [3, 32, 32]" in text
+    assert "one training step of batch 2 ran on the CPU with input [3, 32, 32]" in text
 
 
 def test_torchscript_file_is_validated_on_cpu(magics, tmp_path):
@@ -134,7 +134,7 @@ def test_a_notebook_module_is_exported_validated_and_left_untouched(notebook, va
     assert reply["content"]["status"] == "ok", reply["content"]
     text = stream_text(outputs)
     assert f"saved as TorchScript by torch.jit.{method}" in text, text
-    assert "one training step of batch 1 ran on the CPU with input [3, 16, 16]" in text, text
+    assert "one training step of batch 2 ran on the CPU with input [3, 16, 16]" in text, text
     opt = f"{variable}_opt"
     reply, outputs = execute(
         kc, f"print(same(before[{variable!r}], snapshot({variable}, {opt})))", timeout=60)
@@ -215,7 +215,7 @@ def test_amp_validates_on_cpu(magics):
     km, kc = magics
     reply, outputs = execute(kc, "%maxbatch resnet18 --input 3x32x32 --amp bf16", timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
-    assert "one training step of batch 1 ran on the CPU" in stream_text(outputs)
+    assert "one training step of batch 2 ran on the CPU" in stream_text(outputs)
 
 
 def test_gpumem_shows_gpukernel_allocator_once_libtorch_is_loaded():

@@ -33,7 +33,7 @@ pub enum TrialError {
     /// Something in the request the user can change; the message says what.
     #[error("{0}")]
     Request(String),
-    #[error("{0}")]
+    #[error("{}", torch_text(.0))]
     Torch(#[from] tch::TchError),
     #[error(transparent)]
     Allocator(#[from] allocator::AllocatorError),
@@ -55,6 +55,21 @@ pub enum TrialError {
         limit_s: f64,
         done: usize,
     },
+}
+
+/// A libtorch error as a user reads it. An op that fails inside a TorchScript module comes
+/// with both of TorchScript's tracebacks (dozens of lines); the exception itself is the last
+/// line, so that line is what the message keeps.
+fn torch_text(err: &tch::TchError) -> String {
+    let text = err.to_string();
+    const SCRIPTED: &str = "The following operation failed in the TorchScript interpreter.";
+    if !text.contains(SCRIPTED) {
+        return text;
+    }
+    match text.lines().rev().map(str::trim).find(|l| !l.is_empty()) {
+        Some(last) => format!("{last} (in the TorchScript module's forward)"),
+        None => text,
+    }
 }
 
 impl TrialError {
@@ -645,15 +660,20 @@ pub fn throughput(
     Ok(points)
 }
 
+/// Samples in the CPU check's step: two, as in the loss's planning forward and the python
+/// engine's check, because BatchNorm refuses a single sample in training mode (DeepLabV3's
+/// pooled branch failed the check at one).
+const CPU_CHECK_BATCH: u64 = 2;
+
 /// Validates model and input with one tiny step on the CPU (no GPU here).
 pub fn validate_on_cpu(request: &MaxBatchRequest) -> Result<String, TrialError> {
     let _interpreted = Interpreted::enter();
     let mut trainer = Trainer::new(request, Device::Cpu)?;
-    catch_unwind(AssertUnwindSafe(|| trainer.step(1))).map_err(|_| {
+    catch_unwind(AssertUnwindSafe(|| trainer.step(CPU_CHECK_BATCH))).map_err(|_| {
         TrialError::request("the step failed on the CPU: check the model and --input")
     })??;
     Ok(format!(
-        "one training step of batch 1 ran on the CPU with input {:?}{}",
+        "one training step of batch {CPU_CHECK_BATCH} ran on the CPU with input {:?}{}",
         trainer.input,
         trainer
             .loss
@@ -778,6 +798,27 @@ mod tests {
             target_classes: None,
             trial_timeout_s: None,
         }
+    }
+
+    #[test]
+    fn a_torchscript_failure_is_told_by_its_exception_not_its_tracebacks() {
+        let traced = tch::TchError::Torch(
+            "The following operation failed in the TorchScript interpreter.\n\
+             Traceback of TorchScript, serialized code (most recent call last):\n  \
+             File \"code/__torch__/m.py\", line 9, in forward\n    x = bn(x)\n\
+             RuntimeError: Expected more than 1 value per channel when training\n"
+                .into(),
+        );
+        assert_eq!(
+            TrialError::from(traced).to_string(),
+            "RuntimeError: Expected more than 1 value per channel when training \
+             (in the TorchScript module's forward)"
+        );
+        let plain = tch::TchError::Torch("CUDA out of memory. Tried to allocate 2 GiB".into());
+        assert_eq!(
+            TrialError::from(plain).to_string(),
+            "Internal torch error: CUDA out of memory. Tried to allocate 2 GiB"
+        );
     }
 
     #[test]
