@@ -76,6 +76,9 @@ for _ in range(2):
     opt.step(); sched.step()
 lm.drop.eval()
 seg, seg_aux, regress = Seg(), SegAux(), Regress()
+# BatchNorm after global pooling, as DeepLabV3's pooled branch: one sample per batch fails it
+pooled_bn = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4, 5))
 
 def snapshot():
     return (copy.deepcopy(lm.state_dict()), [None if p.grad is None else p.grad.clone()
@@ -224,6 +227,9 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
     ("%maxbatch seg_aux --input 3x8x8 --engine libtorch", "cross-entropy over dimension 1 (5 "
      "classes, per position), on output['out'] and the heads shaped like it (output['aux']), "
      "summed"),
+    # The libtorch engine's CPU check steps two samples, which BatchNorm needs in training.
+    ("%maxbatch pooled_bn --input 3x8x8 --engine libtorch", "one training step of batch 2 ran "
+     "on the CPU with input [3, 8, 8], loss cross-entropy over the last dimension (5 classes)"),
     ("%maxbatch regress --input 8", "mean squared error"),
     ("%maxbatch regress --input 8 --loss mean", "the output's mean"),
     # --target-classes picks the dimension: of [2, 5, 8, 8], the last one holds 8.
