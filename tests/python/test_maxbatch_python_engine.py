@@ -58,6 +58,13 @@ class SegAux(Seg):  # {'out', 'aux'}, as torchvision's segmentation models with 
     def forward(self, x):
         return {"out": self.conv(x), "aux": self.aux(x)}
 
+class TracedAux(SegAux):  # torch.jit.script rejects the lambda: the export traces it instead
+    def __init__(self):
+        super().__init__()
+        self.act = lambda t: t.relu()
+    def forward(self, x):
+        return {"out": self.act(self.conv(x)), "aux": self.aux(x)}
+
 class Regress(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -75,7 +82,7 @@ for _ in range(2):
     F.cross_entropy(out.reshape(-1, 50), torch.randint(0, 50, (32,))).backward()
     opt.step(); sched.step()
 lm.drop.eval()
-seg, seg_aux, regress = Seg(), SegAux(), Regress()
+seg, seg_aux, traced_aux, regress = Seg(), SegAux(), TracedAux(), Regress()
 # BatchNorm after global pooling, as DeepLabV3's pooled branch: one sample per batch fails it
 pooled_bn = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1),
                                 torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4, 5))
@@ -227,6 +234,11 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
     ("%maxbatch seg_aux --input 3x8x8 --engine libtorch", "cross-entropy over dimension 1 (5 "
      "classes, per position), on output['out'] and the heads shaped like it (output['aux']), "
      "summed"),
+    # A dict output reaches the libtorch engine through a trace too (strict=False).
+    ("%maxbatch traced_aux --input 3x8x8 --engine libtorch", "saved as TorchScript by "
+     "torch.jit.trace"),
+    ("%maxbatch traced_aux --input 3x8x8 --engine libtorch", "on output['out'] and the heads "
+     "shaped like it (output['aux']), summed"),
     # The libtorch engine's CPU check steps two samples, which BatchNorm needs in training.
     ("%maxbatch pooled_bn --input 3x8x8 --engine libtorch", "one training step of batch 2 ran "
      "on the CPU with input [3, 8, 8], loss cross-entropy over the last dimension (5 classes)"),
