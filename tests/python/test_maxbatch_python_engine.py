@@ -156,6 +156,20 @@ def overstepped_schedule(batch):  # the user's line that makes torch raise
 
 opt2 = torch.optim.SGD(lm.parameters(), lr=0.1)
 not_a_module = {"a": 1}
+
+# A physics-informed-style net trained with LBFGS: its history lives in lists of tensors.
+pinn = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+pinn_opt = torch.optim.LBFGS(pinn.parameters(), history_size=10, max_iter=4)
+def pinn_step(batch):
+    x = torch.randn(batch, 2)
+    def closure():
+        pinn_opt.zero_grad()
+        loss = (pinn(x) - x.prod(1, keepdim=True)).square().mean()
+        loss.backward()
+        return loss
+    return pinn_opt.step(closure)
+for _ in range(3):
+    pinn_step(16)
 names_before = sorted(k for k in get_ipython().user_ns if not k.startswith("_"))
 before = snapshot()
 """
@@ -223,6 +237,32 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
     assert reply["content"]["status"] == "ok", reply["content"]
     assert "such as a list, a counter or an iterator it draws from, are not put back" in \
         stream_text(outputs), stream_text(outputs)
+    assert_untouched(kc)
+
+
+# Every value of LBFGS's state, its history's lists by their tensors' sums, to the last bit.
+LBFGS_STATE = ("print([(k, [float(t.double().sum()) for t in v] if isinstance(v, list) else "
+               "float(v.double().sum()) if torch.is_tensor(v) else v) "
+               "for k, v in pinn_opt.state[next(pinn.parameters())].items()])")
+
+
+@pytest.mark.parametrize("cell", ["%maxbatch pinn --input 2", "%maxbatch --step pinn_step"])
+def test_an_lbfgs_model_is_stepped_with_a_closure_and_its_history_put_back(notebook, cell):
+    _, kc = notebook
+    _, outputs = execute(kc, LBFGS_STATE, timeout=60)
+    history = stream_text(outputs)
+    assert "'old_dirs', [" in history, history
+    reply, outputs = execute(kc, cell, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    text = stream_text(outputs)
+    assert "one step of batch 2 ran on the cpu" in text, text
+    if "--step" not in cell:
+        # 10 pairs of vectors as large as its 129 float32 parameters: 10320 bytes.
+        assert ("optimizer the notebook's pinn_opt (LBFGS), stepped with a closure; its "
+                "history, up to 10 pairs of gradient-sized vectors (10.1 KiB), fills over your "
+                "first steps") in text, text
+    _, outputs = execute(kc, LBFGS_STATE, timeout=60)
+    assert stream_text(outputs) == history
     assert_untouched(kc)
 
 
@@ -642,6 +682,131 @@ def test_a_grad_scaler_and_scheduler_cut_mid_step_are_put_back(trials):
     scaler.scale(model(torch.randn(2, 4)).sum()).backward()
     scaler.step(opt)
     scaler.update()
+
+
+def _state_equal(torch, a, b):
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_state_equal(torch, x, y) for x, y in zip(a, b)))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_state_equal(torch, a[k], b[k]) for k in a)
+    return a == b
+
+
+def _lbfgs_notebook():
+    """A small net mid-training with LBFGS (as physics-informed nets are trained): its
+    history, lists of tensors LBFGS appends to and pops from in place, is full."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = torch.optim.LBFGS(model.parameters(), history_size=4, max_iter=5)
+
+    def step(batch):
+        x, y = torch.randn(batch, 4), torch.randint(0, 3, (batch,))
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        return opt.step(closure)
+
+    for _ in range(3):
+        step(8)
+    assert len(opt.state[next(model.parameters())]["old_dirs"]) == 4
+    return torch, model, opt, step
+
+
+def test_an_optimizers_history_kept_in_lists_is_put_back_as_it_was(trials):
+    """LBFGS keeps its history in lists it rewrites in place: a copy of the lists' tensors,
+    not of the lists, is what puts the user's history back."""
+    import copy
+
+    torch, model, opt, step = _lbfgs_notebook()
+    ns = {"model": model, "opt": opt, "step": step}
+    before = copy.deepcopy(opt.state_dict())
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    assert call(trials, ns, "trial", batch=8, steps=3)["result"] == "ran"
+    after_trial = opt.state_dict()
+    assert _state_equal(torch, before, after_trial), "the history after the trial"
+    call(trials, ns, "close")
+    assert _state_equal(torch, before, opt.state_dict())
+    step(8)  # the user's loop goes on from it
+    assert not _state_equal(torch, before, opt.state_dict())
+
+
+def test_optimizer_state_in_tuples_and_dicts_is_put_back_as_it_was(trials):
+    """A hand-written optimizer may keep tuples and dicts of tensors in its state."""
+    import torch
+
+    class Pairs(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state[p]
+                    if "pair" not in state:
+                        state["pair"] = (torch.zeros_like(p), torch.zeros_like(p))
+                        state["moments"] = {"n": 0, "sum": torch.zeros_like(p)}
+                    state["pair"][0].add_(p.grad)
+                    state["pair"][1].add_(p.grad.square())
+                    state["moments"]["n"] += 1
+                    state["moments"]["sum"].add_(p.grad)
+                    p.add_(state["pair"][0], alpha=-group["lr"])
+
+    model = torch.nn.Linear(4, 3)
+    opt = Pairs(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    before = {p: {"pair": tuple(t.clone() for t in s["pair"]),
+                  "moments": {"n": s["moments"]["n"], "sum": s["moments"]["sum"].clone()}}
+              for p, s in opt.state.items()}
+    ns = {"model": model, "opt": opt}
+    call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4]})
+    call(trials, ns, "set_loss", plan={"kind": "mse"})
+    assert call(trials, ns, "trial", batch=4, steps=2)["result"] == "ran"
+    call(trials, ns, "close")
+    for p, saved in before.items():
+        assert type(opt.state[p]["pair"]) is tuple
+        assert _state_equal(torch, saved, opt.state[p])
+
+
+def test_the_standard_step_drives_an_optimizer_that_takes_a_closure(trials):
+    """`%maxbatch MODULE` with the notebook's LBFGS steps it as LBFGS loops do, through a
+    closure, says so with the size of its full history, and puts the history back."""
+    import copy
+
+    torch, model, opt, _ = _lbfgs_notebook()
+    before = copy.deepcopy(opt.state_dict())
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    ns = {"model": model, "opt": opt}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4]})
+    described = reply["describe"]["optimizer"]
+    # 4 pairs of two vectors the size of the 131 parameters, float32: 4192 bytes.
+    assert described.startswith("the notebook's opt (LBFGS), stepped with a closure"), described
+    assert "up to 4 pairs of gradient-sized vectors (4.1 KiB)" in described, described
+    call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 3, "class_dim": -1})
+    calls.clear()
+    result = call(trials, ns, "trial", batch=8, steps=2)
+    assert result["result"] == "ran", result
+    assert len(calls) > result["steps"], "LBFGS called the closure more than once a step"
+    call(trials, ns, "close")
+    assert _state_equal(torch, before, opt.state_dict())
+
+
+def test_fp16_with_an_optimizer_that_takes_a_closure_is_refused_with_the_way_out(trials):
+    torch, model, opt, _ = _lbfgs_notebook()
+    reply = call(trials, {"model": model, "opt": opt}, "prepare",
+                 spec={"kind": "module", "target": "model", "input": [4], "amp": "fp16"})
+    assert "a GradScaler cannot step LBFGS (its step takes a closure)" in reply["refused"]
+    assert "--amp bf16" in reply["refused"] and "--step FN" in reply["refused"]
 
 
 def test_refusals_come_back_as_data_and_close_the_session(trials):

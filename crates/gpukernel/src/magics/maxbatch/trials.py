@@ -95,10 +95,72 @@ def _put(current, saved, device):
             and current.device == device):
         current.copy_(saved, non_blocking=True)
         return current
-    return saved.to(device, non_blocking=True)
+    # A copy even where `saved` is on that device already (CPU state): the step must never
+    # write into the snapshot itself.
+    return saved.to(device, non_blocking=True, copy=True)
 
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+class _Kept:
+    """The host copy of one tensor and the device it came from."""
+    __slots__ = ("device", "host")
+
+    def __init__(self, t):
+        self.device, self.host = t.device, _host(t)
+
+
+def _keep(torch, value):
+    """A copy of an optimizer's state value: tensors to host memory, and the lists, tuples
+    and dicts around them rebuilt (LBFGS keeps its history in lists it appends to and pops
+    from in place: kept by reference, a trial's steps would rewrite the user's history)."""
+    if torch.is_tensor(value):
+        return _Kept(value)
+    if type(value) in (list, tuple):
+        return type(value)(_keep(torch, v) for v in value)
+    if type(value) is dict:
+        return {k: _keep(torch, v) for k, v in value.items()}
+    return value
+
+
+def _kept_bytes(kept):
+    if isinstance(kept, _Kept):
+        return kept.host.numel() * kept.host.element_size()
+    if type(kept) in (list, tuple):
+        return sum(_kept_bytes(v) for v in kept)
+    if type(kept) is dict:
+        return sum(_kept_bytes(v) for v in kept.values())
+    return 0
+
+
+def _bring_back(current, kept):
+    """The value `kept` stands for, on its device again: a tensor in place where `current`
+    is still one of its kind; containers new, as `_keep` found them."""
+    if isinstance(kept, _Kept):
+        return _put(current, kept.host, kept.device)
+    if type(kept) in (list, tuple):
+        return type(kept)(_bring_back(None, v) for v in kept)
+    if type(kept) is dict:
+        return {k: _bring_back(None, v) for k, v in kept.items()}
+    return kept
+
+
+def _needs_closure(opt):
+    """Whether `opt.step` must be given a closure that recomputes the loss (LBFGS)."""
+    import inspect
+    try:
+        closure = inspect.signature(opt.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _bytes(n):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _holds_data(torch, t):
@@ -187,12 +249,11 @@ class Snapshot:
         self.rng = self._rng()
 
     def _optimizer_state(self, opt):
-        state = {}
-        for p, entry in opt.state.items():
-            state[p] = {k: (v.device, _host(v)) if self.torch.is_tensor(v) else v
-                        for k, v in entry.items()}
-        groups = [{k: (_host(v) if self.torch.is_tensor(v) else v) for k, v in g.items()
-                   if k != "params"} for g in opt.param_groups]
+        torch = self.torch
+        state = {p: {k: _keep(torch, v) for k, v in entry.items()}
+                 for p, entry in opt.state.items()}
+        groups = [{k: _keep(torch, v) for k, v in g.items() if k != "params"}
+                  for g in opt.param_groups]
         return state, groups
 
     def _rng(self):
@@ -213,11 +274,8 @@ class Snapshot:
         n += sum(h.numel() * h.element_size() for _, h in self.buffers)
         n += sum(h.numel() * h.element_size() for layout in self.layouts
                  for _, h in layout.plain.values() if h is not None)
-        for _, (state, _) in self.optimizers:
-            for entry in state.values():
-                for v in entry.values():
-                    if isinstance(v, tuple):
-                        n += v[1].numel() * v[1].element_size()
+        for _, (state, groups) in self.optimizers:
+            n += _kept_bytes(list(state.values())) + _kept_bytes(groups)
         return n
 
     def restore(self):
@@ -248,10 +306,10 @@ class Snapshot:
                 for k in [k for k in current if k not in entry]:
                     del current[k]
                 for k, v in entry.items():
-                    current[k] = _put(current.get(k), v[1], v[0]) if isinstance(v, tuple) else v
+                    current[k] = _bring_back(current.get(k), v)
             for group, saved in zip(opt.param_groups, groups):
                 for k, v in saved.items():
-                    group[k] = v.clone() if torch.is_tensor(v) else v
+                    group[k] = _bring_back(group.get(k), v)
         for scaler, state in self.scalers:
             scaler.load_state_dict(state)
             per_optimizer = getattr(scaler, "_per_optimizer_states", None)
@@ -463,8 +521,14 @@ class ModuleStep:
         self.loss_plan = None
         self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
             user_ns, spec, found)
+        self.closure = self.optimizer is not None and _needs_closure(self.optimizer)
         self.scaler = None
         if self.amp is torch.float16 and not self.inference:
+            if self.closure:
+                raise MaxBatchError(
+                    f"--amp fp16 steps through a GradScaler, and a GradScaler cannot step "
+                    f"{type(self.optimizer).__name__} (its step takes a closure): use --amp "
+                    f"bf16, or {STEP_HINT}")
             self.scaler = torch.amp.GradScaler(self.device.type)
 
     def _required_arguments(self):
@@ -592,6 +656,8 @@ class ModuleStep:
                     out = model(x)
                 yield
         model.train()
+        if self.closure:
+            yield from self._closure_steps(batch)
         out = loss = None  # as in a for loop: the last step's output lives into the next
         while True:
             x = self.make_input(batch)
@@ -613,11 +679,47 @@ class ModuleStep:
                     opt.step()
             yield
 
+    def _closure_steps(self, batch):
+        """The steps of an optimizer that calls back for the loss (LBFGS), as its loops are
+        written: `opt.step(closure)`, the closure running zero_grad, forward, loss and
+        backward, perhaps several times a step; its output dies with each call."""
+        model, opt = self.model, self.optimizer
+
+        def closure():
+            opt.zero_grad(set_to_none=True)
+            with self._autocast():
+                loss = self._loss(model(x))
+            loss.backward()
+            return loss
+
+        while True:
+            x = self.make_input(batch)
+            opt.step(closure)
+            yield
+
+    def _optimizer_note(self):
+        """How the step drives an optimizer that takes a closure. LBFGS's history grows over
+        its first steps (a pair of flat vectors per iteration, up to history_size) while a
+        trial runs two or three: its size when full is what the user's later steps hold
+        beyond the trial's."""
+        opt = self.optimizer
+        if not self.closure:
+            return ""
+        note = ", stepped with a closure"
+        pairs = opt.defaults.get("history_size")
+        if isinstance(pairs, int):
+            size = sum(p.numel() * p.element_size() for g in opt.param_groups
+                       for p in g["params"] if p.requires_grad)
+            note += (f"; its history, up to {pairs} pairs of gradient-sized vectors "
+                     f"({_bytes(2 * pairs * size)}), fills over your first steps, beyond the "
+                     f"part a trial's few steps hold")
+        return note
+
     def scalers(self):
         return [self.scaler] if self.scaler is not None else []
 
     def describe(self):
-        return {"optimizer": self.optimizer_name,
+        return {"optimizer": self.optimizer_name + self._optimizer_note(),
                 "vocab": self.vocab, "vocab_from": self.vocab_from,
                 "weights_dtype": str(self.dtype).replace("torch.", ""),
                 "input_dtype": "int64 token ids" if self.vocab else
