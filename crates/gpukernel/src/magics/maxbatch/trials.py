@@ -117,17 +117,31 @@ def _keep(torch, value):
     from in place: kept by reference, a trial's steps would rewrite the user's history)."""
     if torch.is_tensor(value):
         return _Kept(value)
-    if type(value) in (list, tuple):
-        return type(value)(_keep(torch, v) for v in value)
+    if _is_sequence(value):
+        return _rebuilt(value, [_keep(torch, v) for v in value])
     if type(value) is dict:
         return {k: _keep(torch, v) for k, v in value.items()}
     return value
 
 
+def _is_namedtuple(value):
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _is_sequence(value):
+    """A list or tuple `_keep` rebuilds (other subclasses are kept as they are)."""
+    return type(value) in (list, tuple) or _is_namedtuple(value)
+
+
+def _rebuilt(like, items):
+    """A list or tuple (a named one too) of the same type as `like`, holding `items`."""
+    return type(like)(*items) if _is_namedtuple(like) else type(like)(items)
+
+
 def _kept_bytes(kept):
     if isinstance(kept, _Kept):
         return kept.host.numel() * kept.host.element_size()
-    if type(kept) in (list, tuple):
+    if _is_sequence(kept):
         return sum(_kept_bytes(v) for v in kept)
     if type(kept) is dict:
         return sum(_kept_bytes(v) for v in kept.values())
@@ -139,8 +153,8 @@ def _bring_back(current, kept):
     is still one of its kind; containers new, as `_keep` found them."""
     if isinstance(kept, _Kept):
         return _put(current, kept.host, kept.device)
-    if type(kept) in (list, tuple):
-        return type(kept)(_bring_back(None, v) for v in kept)
+    if _is_sequence(kept):
+        return _rebuilt(kept, [_bring_back(None, v) for v in kept])
     if type(kept) is dict:
         return {k: _bring_back(None, v) for k, v in kept.items()}
     return kept
