@@ -159,7 +159,7 @@ not_a_module = {"a": 1}
 
 # A physics-informed-style net trained with LBFGS: its history lives in lists of tensors.
 pinn = torch.nn.Sequential(torch.nn.Linear(2, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-pinn_opt = torch.optim.LBFGS(pinn.parameters(), history_size=10, max_iter=4)
+pinn_opt = torch.optim.LBFGS(pinn.parameters(), history_size=20, max_iter=4)
 def pinn_step(batch):
     x = torch.randn(batch, 2)
     def closure():
@@ -241,7 +241,8 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
 
 
 # Every value of LBFGS's state, its history's lists by their tensors' sums, to the last bit.
-LBFGS_STATE = ("print([(k, [float(t.double().sum()) for t in v] if isinstance(v, list) else "
+LBFGS_STATE = ("print([(k, [t if t is None else float(t.double().sum()) for t in v] "
+               "if isinstance(v, list) else "
                "float(v.double().sum()) if torch.is_tensor(v) else v) "
                "for k, v in pinn_opt.state[next(pinn.parameters())].items()])")
 
@@ -257,10 +258,11 @@ def test_an_lbfgs_model_is_stepped_with_a_closure_and_its_history_put_back(noteb
     text = stream_text(outputs)
     assert "one step of batch 2 ran on the cpu" in text, text
     if "--step" not in cell:
-        # 10 pairs of vectors as large as its 129 float32 parameters: 10320 bytes.
+        # 3 steps of 4 iterations made 10 of its 20 pairs of vectors as large as its 129
+        # float32 parameters (20640 bytes when full).
         assert ("optimizer the notebook's pinn_opt (LBFGS), stepped with a closure; its "
-                "history, up to 10 pairs of gradient-sized vectors (10.1 KiB), fills over your "
-                "first steps") in text, text
+                "history, 10 of up to 20 pairs of gradient-sized vectors (20.2 KiB), fills "
+                "over your next steps") in text, text
     _, outputs = execute(kc, LBFGS_STATE, timeout=60)
     assert stream_text(outputs) == history
     assert_untouched(kc)
@@ -873,7 +875,8 @@ def test_the_standard_step_drives_an_optimizer_that_takes_a_closure(trials):
     described = reply["describe"]["optimizer"]
     # 4 pairs of two vectors the size of the 131 parameters, float32: 4192 bytes.
     assert described.startswith("the notebook's opt (LBFGS), stepped with a closure"), described
-    assert "up to 4 pairs of gradient-sized vectors (4.1 KiB)" in described, described
+    assert described.endswith("its history was full, 4 pairs of gradient-sized vectors "
+                              "(4.1 KiB), and the trials held all of it"), described
     call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 3, "class_dim": -1})
     calls.clear()
     result = call(trials, ns, "trial", batch=8, steps=2)
@@ -881,6 +884,18 @@ def test_the_standard_step_drives_an_optimizer_that_takes_a_closure(trials):
     assert len(calls) > result["steps"], "LBFGS called the closure more than once a step"
     call(trials, ns, "close")
     assert _state_equal(torch, before, opt.state_dict())
+
+
+def test_an_lbfgs_history_not_full_yet_is_told_with_its_size_when_full(trials):
+    import torch
+
+    model = torch.nn.Linear(4, 3)  # 15 float32 parameters: 100 pairs of them fill 12000 bytes
+    ns = {"model": model, "opt": torch.optim.LBFGS(model.parameters())}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4]})
+    assert reply["describe"]["optimizer"].endswith(
+        "its history, 0 of up to 100 pairs of gradient-sized vectors (11.7 KiB), fills over "
+        "your next steps, beyond the part a trial's few steps add"), reply
+    call(trials, ns, "close")
 
 
 def test_fp16_with_an_optimizer_that_takes_a_closure_is_refused_with_the_way_out(trials):

@@ -721,13 +721,16 @@ class ModuleStep:
             return ""
         note = ", stepped with a closure"
         pairs = opt.defaults.get("history_size")
-        if isinstance(pairs, int):
-            size = sum(p.numel() * p.element_size() for g in opt.param_groups
-                       for p in g["params"] if p.requires_grad)
-            note += (f"; its history, up to {pairs} pairs of gradient-sized vectors "
-                     f"({_bytes(2 * pairs * size)}), fills over your first steps, beyond the "
-                     f"part a trial's few steps hold")
-        return note
+        if not isinstance(pairs, int):
+            return note
+        params = [p for g in opt.param_groups for p in g["params"]]
+        size = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        held = len(opt.state.get(params[0], {}).get("old_dirs", ())) if params else 0
+        full = f"{pairs} pairs of gradient-sized vectors ({_bytes(2 * pairs * size)})"
+        if held >= pairs:
+            return note + f"; its history was full, {full}, and the trials held all of it"
+        return note + (f"; its history, {held} of up to {full}, fills over your next "
+                       f"steps, beyond the part a trial's few steps add")
 
     def scalers(self):
         return [self.scaler] if self.scaler is not None else []
