@@ -697,6 +697,36 @@ def _state_equal(torch, a, b):
     return a == b
 
 
+def _needs_closure(opt):
+    import inspect
+
+    closure = inspect.signature(opt.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _training_step(torch, model, opt, sched=None):
+    """`step(batch)`: one step of a 4-feature, 3-class classifier on random data, as a loop
+    writes it; through a closure for an optimizer that takes one (LBFGS)."""
+    closure = _needs_closure(opt)
+
+    def step(batch):
+        x, y = torch.randn(batch, 4), torch.randint(0, 3, (batch,))
+
+        def loss():
+            opt.zero_grad()
+            value = torch.nn.functional.cross_entropy(model(x), y)
+            value.backward()
+            return value
+        if closure:
+            return opt.step(loss)
+        loss()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+    return step
+
+
 def _lbfgs_notebook():
     """A small net mid-training with LBFGS (as physics-informed nets are trained): its
     history, lists of tensors LBFGS appends to and pops from in place, is full."""
@@ -705,17 +735,7 @@ def _lbfgs_notebook():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     opt = torch.optim.LBFGS(model.parameters(), history_size=4, max_iter=5)
-
-    def step(batch):
-        x, y = torch.randn(batch, 4), torch.randint(0, 3, (batch,))
-
-        def closure():
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
-        return opt.step(closure)
-
+    step = _training_step(torch, model, opt)
     for _ in range(3):
         step(8)
     assert len(opt.state[next(model.parameters())]["old_dirs"]) == 4
@@ -815,27 +835,11 @@ def test_every_torch_optimizer_mid_training_is_put_back_exactly(trials, name, ki
     params = [p for p in model.parameters() if p.dim() == 2] if name == "Muon" else \
         list(model.parameters())
     opt = cls(params)
-    closure = _needs_closure(opt)
     sched = None
-    if not closure:
+    if not _needs_closure(opt):
         lr = torch.optim.lr_scheduler
         sched = lr.SequentialLR(opt, [lr.LinearLR(opt), lr.StepLR(opt, 2)], milestones=[3])
-
-    def step(batch):
-        x, y = torch.randn(batch, 4), torch.randint(0, 3, (batch,))
-
-        def loss():
-            opt.zero_grad()
-            value = torch.nn.functional.cross_entropy(model(x), y)
-            value.backward()
-            return value
-        if closure:
-            opt.step(loss)
-        else:
-            loss()
-            opt.step()
-            sched.step()
-
+    step = _training_step(torch, model, opt, sched)
     for _ in range(3):
         step(8)
     before = copy.deepcopy((opt.state_dict(), model.state_dict(),
@@ -852,13 +856,6 @@ def test_every_torch_optimizer_mid_training_is_put_back_exactly(trials, name, ki
     call(trials, ns, "close")
     after = (opt.state_dict(), model.state_dict(), sched and sched.state_dict())
     assert _state_equal(torch, before, after)
-
-
-def _needs_closure(opt):
-    import inspect
-
-    closure = inspect.signature(opt.step).parameters.get("closure")
-    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def test_the_standard_step_drives_an_optimizer_that_takes_a_closure(trials):
