@@ -419,6 +419,7 @@ def test_state_the_trial_created_is_dropped_and_state_it_changed_restored(trials
     reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
                                               "input": [4]})
     assert reply["describe"]["optimizer"] == "the notebook's fresh (Adam)"
+    assert reply["describe"]["gpus"] == []  # on the CPU: no GPU to name, none split over
     assert reply["output"]["shape"] == [2, 3]
     call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 3, "class_dim": -1})
     assert reply["describe"]["optimizers_without_state"] == ["the notebook's fresh (Adam)"]

@@ -81,6 +81,9 @@ struct Described {
     /// Optimizers that had not stepped yet: the first trial creates their state.
     #[serde(default)]
     optimizers_without_state: Vec<String>,
+    /// The GPUs the model's weights and buffers sit on (several for a split model).
+    #[serde(default)]
+    gpus: Vec<String>,
     torch: String,
 }
 
@@ -1011,6 +1014,15 @@ fn notes(prepared: &Prepared) -> Vec<String> {
             d.optimizers_without_state.join(", ")
         ));
     }
+    if d.gpus.len() > 1 {
+        notes.push(format!(
+            "your model sits on {}, and the trials read the memory of {} only: an \
+             out-of-memory error on any of them ends a trial as a failure, so the maximum did \
+             run, but the search aimed by one card's figures and the memory shown is that card's",
+            d.gpus.join(", "),
+            prepared.memory.device
+        ));
+    }
     notes
 }
 
@@ -1055,6 +1067,28 @@ mod tests {
         assert_eq!(small, (1..=9).rev().collect::<Vec<_>>());
         // 17..=23 step to 16, not 8 below themselves.
         assert_eq!(Candidates { next: Some(23) }.nth(1), Some(16));
+    }
+
+    #[test]
+    fn a_model_split_over_gpus_is_told_which_card_the_trials_read() {
+        let prepared = |gpus: &str| -> Prepared {
+            serde_json::from_str(&format!(
+                r#"{{"describe": {{"device": "cuda:0", "cuda": true, "snapshot_bytes": 0,
+                    "optimizer": "a new AdamW (lr 1e-3)", "parameters": 10,
+                    "torch": "2.11.0", "gpus": {gpus}}},
+                   "memory": {{"device": "cuda:0"}}, "output": null}}"#
+            ))
+            .expect("a prepare reply")
+        };
+        let split = notes(&prepared(r#"["cuda:0", "cuda:1"]"#));
+        assert!(
+            split.iter().any(|n| n.starts_with(
+                "your model sits on cuda:0, cuda:1, and the trials read the memory of cuda:0 only"
+            )),
+            "{split:?}"
+        );
+        let whole = notes(&prepared(r#"["cuda:0"]"#));
+        assert!(!whole.iter().any(|n| n.contains("sits on")), "{whole:?}");
     }
 
     fn reply(text: &str) -> TrialReply {

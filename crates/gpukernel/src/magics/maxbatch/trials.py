@@ -852,9 +852,16 @@ class Session:
                            if not opt.state and any(p.requires_grad for g in opt.param_groups
                                                     for p in g["params"]))
         return {"device": str(self.device), "cuda": self.cuda, "state": names,
-                "optimizers_without_state": stateless,
+                "gpus": self._gpus(), "optimizers_without_state": stateless,
                 "snapshot_bytes": self.snapshot.bytes(), **self.step.describe(),
                 "torch": self.torch.__version__}
+
+    def _gpus(self):
+        """The GPUs the found modules' weights and buffers sit on (a model split over
+        several, as `device_map="auto"` splits one, while the trials read one of them)."""
+        gpus = {str(t.device) for m in self.found["module"].values()
+                for t in (*m.parameters(), *m.buffers()) if t.is_cuda}
+        return sorted(gpus)
 
     def _num_ooms(self):
         if not self.on_gpu():
