@@ -859,6 +859,79 @@ def test_every_torch_optimizer_mid_training_is_put_back_exactly(trials, name, ki
     assert _state_equal(torch, before, after)
 
 
+class _Adapted:
+    """A frozen base under a trainable low-rank adapter, as LoRA fine-tunes are set up."""
+
+    def __new__(cls):
+        import torch
+
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.base = torch.nn.Linear(16, 3).requires_grad_(False)
+                self.down = torch.nn.Linear(16, 2, bias=False)
+                self.up = torch.nn.Linear(2, 3, bias=False)
+
+            def forward(self, x):
+                return self.base(x) + self.up(self.down(x))
+
+        torch.manual_seed(0)
+        return Model()
+
+
+def test_the_standard_step_leaves_frozen_weights_uncopied_and_unchanged(trials):
+    """The standard step cannot write a weight without requires_grad that no optimizer holds:
+    a frozen base (LoRA's, a 4-bit one's) costs no host copy, and comes out bit-identical."""
+    import torch
+
+    model = _Adapted()
+    base = [t.clone() for t in model.base.parameters()]
+    ns = {"model": model, "opt": torch.optim.AdamW([*model.down.parameters(),
+                                                     *model.up.parameters()])}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [16]})
+    described = reply["describe"]
+    assert described["fixed_bytes"] == (16 * 3 + 3) * 4, described
+    assert described["snapshot_bytes"] == (16 * 2 + 2 * 3) * 4, described  # the adapter only
+    call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 3, "class_dim": -1})
+    assert call(trials, ns, "trial", batch=8, steps=3)["result"] == "ran"
+    call(trials, ns, "close")
+    assert all(torch.equal(a, b) for a, b in zip(base, model.base.parameters()))
+    # A frozen weight an optimizer holds is copied: the optimizer could still write it.
+    ns["opt"] = torch.optim.AdamW(model.parameters())
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [16]})
+    assert reply["describe"]["fixed_bytes"] == 0, reply["describe"]
+    call(trials, ns, "close")
+
+
+def test_a_frozen_teacher_the_users_step_updates_in_place_is_put_back(trials):
+    """`--step FN` may write any weight: a frozen EMA teacher, as BYOL and DINO update it."""
+    import copy
+
+    import torch
+
+    student = _Adapted()
+    teacher = copy.deepcopy(student).requires_grad_(False)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+
+    def step(batch):
+        x = torch.randn(batch, 16)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(student(x), teacher(x)).backward()
+        opt.step()
+        with torch.no_grad():
+            for t, s in zip(teacher.parameters(), student.parameters()):
+                t.mul_(0.9).add_(s, alpha=0.1)
+
+    step(4)
+    before = [t.clone() for t in teacher.parameters()]
+    ns = {"student": student, "teacher": teacher, "opt": opt, "step": step}
+    reply = call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    assert reply["describe"]["fixed_bytes"] == 0, reply["describe"]
+    assert call(trials, ns, "trial", batch=8, steps=3)["result"] == "ran"
+    call(trials, ns, "close")
+    assert all(torch.equal(a, b) for a, b in zip(before, teacher.parameters()))
+
+
 def test_the_standard_step_drives_an_optimizer_that_takes_a_closure(trials):
     """`%maxbatch MODULE` with the notebook's LBFGS steps it as LBFGS loops do, through a
     closure, says so with the size of its full history, and puts the history back."""

@@ -65,6 +65,9 @@ struct Described {
     #[serde(default)]
     state: BTreeMap<String, Vec<String>>,
     snapshot_bytes: u64,
+    /// Weights the step cannot write (frozen and in no optimizer), left uncopied.
+    #[serde(default)]
+    fixed_bytes: u64,
     optimizer: String,
     parameters: Option<u64>,
     #[serde(default)]
@@ -1004,6 +1007,13 @@ fn notes(prepared: &Prepared) -> Vec<String> {
             kept.join("; ")
         }
     )];
+    if d.fixed_bytes > 0 {
+        notes.push(format!(
+            "{} of weights the step cannot change (frozen, in no optimizer, or all of them \
+             with --inference) were not copied",
+            human_bytes(d.fixed_bytes)
+        ));
+    }
     if let Some(p) = d.parameters {
         notes.push(format!("{p} parameters on {}", d.device));
     }
@@ -1069,25 +1079,42 @@ mod tests {
         assert_eq!(Candidates { next: Some(23) }.nth(1), Some(16));
     }
 
+    /// `prepare`'s reply on cuda:0 with these GPUs and uncopied (fixed) weight bytes.
+    fn prepared(gpus: &str, fixed_bytes: u64) -> Prepared {
+        serde_json::from_str(&format!(
+            r#"{{"describe": {{"device": "cuda:0", "cuda": true, "snapshot_bytes": 0,
+                "fixed_bytes": {fixed_bytes}, "optimizer": "a new AdamW (lr 1e-3)",
+                "parameters": 10, "torch": "2.11.0", "gpus": {gpus}}},
+               "memory": {{"device": "cuda:0"}}, "output": null}}"#
+        ))
+        .expect("a prepare reply")
+    }
+
+    #[test]
+    fn weights_the_step_cannot_change_are_told_as_not_copied() {
+        let lora = notes(&prepared(r#"["cuda:0"]"#, 14 << 30));
+        assert!(
+            lora.contains(
+                &"14.0 GiB of weights the step cannot change (frozen, in no optimizer, or all \
+                  of them with --inference) were not copied"
+                    .to_string()
+            ),
+            "{lora:?}"
+        );
+        let none = notes(&prepared(r#"["cuda:0"]"#, 0));
+        assert!(!none.iter().any(|n| n.contains("not copied")), "{none:?}");
+    }
+
     #[test]
     fn a_model_split_over_gpus_is_told_which_card_the_trials_read() {
-        let prepared = |gpus: &str| -> Prepared {
-            serde_json::from_str(&format!(
-                r#"{{"describe": {{"device": "cuda:0", "cuda": true, "snapshot_bytes": 0,
-                    "optimizer": "a new AdamW (lr 1e-3)", "parameters": 10,
-                    "torch": "2.11.0", "gpus": {gpus}}},
-                   "memory": {{"device": "cuda:0"}}, "output": null}}"#
-            ))
-            .expect("a prepare reply")
-        };
-        let split = notes(&prepared(r#"["cuda:0", "cuda:1"]"#));
+        let split = notes(&prepared(r#"["cuda:0", "cuda:1"]"#, 0));
         assert!(
             split.iter().any(|n| n.starts_with(
                 "your model sits on cuda:0, cuda:1, and the trials read the memory of cuda:0 only"
             )),
             "{split:?}"
         );
-        let whole = notes(&prepared(r#"["cuda:0"]"#));
+        let whole = notes(&prepared(r#"["cuda:0"]"#, 0));
         assert!(!whole.iter().any(|n| n.contains("sits on")), "{whole:?}");
     }
 

@@ -234,13 +234,20 @@ class _Layout:
 class Snapshot:
     """Host copies of everything a trial can change, and how to put it back."""
 
-    def __init__(self, torch, modules, optimizers, scalers, schedulers):
+    def __init__(self, torch, modules, optimizers, scalers, schedulers, fixed=lambda p: False):
+        """`fixed(p)`: whether the step cannot write parameter `p` (the standard step and a
+        frozen weight no optimizer holds): it is not copied, so a frozen base under LoRA
+        adapters costs no host memory and no copy per trial."""
         self.torch = torch
         params, buffers, seen = [], [], set()
+        self.fixed_bytes = 0
         for module in modules:
             for p in module.parameters():
                 if id(p) not in seen and _holds_data(torch, p):
                     seen.add(id(p))
+                    if fixed(p):
+                        self.fixed_bytes += p.numel() * p.element_size()
+                        continue
                     params.append(p)
             for b in module.buffers():
                 if id(b) not in seen and _holds_data(torch, b):
@@ -535,6 +542,9 @@ class ModuleStep:
         self.loss_plan = None
         self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
             user_ns, spec, found)
+        mine = [self.optimizer] if self.optimizer is not None else []
+        self.optimized = {id(p) for opt in (*found["optimizer"].values(), *mine)
+                          for g in opt.param_groups for p in g["params"]}
         self.closure = self.optimizer is not None and _needs_closure(self.optimizer)
         self.scaler = None
         if self.amp is torch.float16 and not self.inference:
@@ -544,6 +554,12 @@ class ModuleStep:
                     f"{type(self.optimizer).__name__} (its step takes a closure): use --amp "
                     f"bf16, or {STEP_HINT}")
             self.scaler = torch.amp.GradScaler(self.device.type)
+
+    def fixed(self, p):
+        """Whether the standard step cannot write `p`: without gradients (--inference) no
+        parameter changes; in training, one without requires_grad that no optimizer of the
+        notebook holds gets no gradient and no update (and the forward only reads it)."""
+        return self.inference or (not p.requires_grad and id(p) not in self.optimized)
 
     def _required_arguments(self):
         """The forward's arguments without a default, as its signature reads (a decorator or
@@ -758,6 +774,11 @@ class FunctionStep:
         self.fn = fn
         self.device = None
 
+    def fixed(self, p):
+        """Nothing: the user's own step may write any parameter (a frozen EMA teacher
+        updated in place, as BYOL and DINO do)."""
+        return False
+
     def steps(self, batch):
         """The calls, one per `next()`, without end: the caller stops them."""
         result = None  # noqa: F841 (alive until the next call returns, as in a loop)
@@ -807,7 +828,7 @@ class Session:
         self.scalers = list(found["scaler"].values()) + step.scalers()
         self.snapshot = Snapshot(torch, list(found["module"].values()),
                                  list(found["optimizer"].values()), self.scalers,
-                                 list(found["scheduler"].values()))
+                                 list(found["scheduler"].values()), step.fixed)
         self.trials = 0
         self.settled = False
         self.saved_fraction = None  # the allocator's cap before --limit changed it
@@ -853,7 +874,8 @@ class Session:
                                                     for p in g["params"]))
         return {"device": str(self.device), "cuda": self.cuda, "state": names,
                 "gpus": self._gpus(), "optimizers_without_state": stateless,
-                "snapshot_bytes": self.snapshot.bytes(), **self.step.describe(),
+                "snapshot_bytes": self.snapshot.bytes(),
+                "fixed_bytes": self.snapshot.fixed_bytes, **self.step.describe(),
                 "torch": self.torch.__version__}
 
     def _gpus(self):
