@@ -901,6 +901,17 @@ def test_the_standard_step_leaves_frozen_weights_uncopied_and_unchanged(trials):
     reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [16]})
     assert reply["describe"]["fixed_bytes"] == 0, reply["describe"]
     call(trials, ns, "close")
+    # So is one still holding a gradient (from before it was frozen): a step without an
+    # optimizer clears every gradient of the model, and the gradient comes back.
+    del ns["opt"]
+    model.base.weight.grad = torch.ones_like(model.base.weight)
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [16],
+                                              "optimizer": "none"})
+    assert reply["describe"]["fixed_bytes"] == 3 * 4, reply["describe"]  # the bias alone
+    call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 3, "class_dim": -1})
+    assert call(trials, ns, "trial", batch=8, steps=2)["result"] == "ran"
+    call(trials, ns, "close")
+    assert torch.equal(model.base.weight.grad, torch.ones_like(model.base.weight))
 
 
 def test_a_frozen_teacher_the_users_step_updates_in_place_is_put_back(trials):

@@ -558,7 +558,11 @@ class ModuleStep:
     def fixed(self, p):
         """Whether the standard step cannot write `p`: without gradients (--inference) no
         parameter changes; in training, one without requires_grad that no optimizer of the
-        notebook holds gets no gradient and no update (and the forward only reads it)."""
+        notebook holds gets no gradient and no update (and the forward only reads it). One
+        still holding a gradient is kept: a step without an optimizer clears every gradient
+        of the model."""
+        if p.grad is not None:
+            return False
         return self.inference or (not p.requires_grad and id(p) not in self.optimized)
 
     def _required_arguments(self):
