@@ -7,7 +7,9 @@ what torch's caching allocator measured. gpukernel installs the source as a priv
 the notebook gains no names, no history and no execution count.
 
 The user's state survives every trial exactly. ``prepare`` copies to host memory (never a
-second GPU copy) the parameters, buffers, gradients, optimizer state and hyper-parameters,
+second GPU copy) the parameters (the standard step leaves out those it cannot write: frozen
+ones no optimizer holds, or all of them for --inference), buffers, gradients, optimizer state
+(through the lists and dicts it may hold, as LBFGS's history) and hyper-parameters,
 GradScaler and LR-scheduler state, the random number generators (torch CPU and CUDA, Python's
 ``random``, NumPy's global one), every module's training flag and its layout (which tensor sits
 under each registered name, its plain attributes); after each trial (success,
