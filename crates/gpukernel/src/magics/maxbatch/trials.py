@@ -113,53 +113,49 @@ class _Kept:
         self.device, self.host = t.device, _host(t)
 
 
-def _keep(torch, value):
-    """A copy of an optimizer's state value: tensors to host memory, and the lists, tuples
-    and dicts around them rebuilt (LBFGS keeps its history in lists it appends to and pops
-    from in place: kept by reference, a trial's steps would rewrite the user's history)."""
-    if torch.is_tensor(value):
-        return _Kept(value)
-    if _is_sequence(value):
-        return _rebuilt(value, [_keep(torch, v) for v in value])
-    if type(value) is dict:
-        return {k: _keep(torch, v) for k, v in value.items()}
-    return value
-
-
 def _is_namedtuple(value):
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
 def _is_sequence(value):
-    """A list or tuple `_keep` rebuilds (other subclasses are kept as they are)."""
+    """A list or tuple the containers' walk rebuilds (other subclasses stay as they are)."""
     return type(value) in (list, tuple) or _is_namedtuple(value)
 
 
-def _rebuilt(like, items):
-    """A list or tuple (a named one too) of the same type as `like`, holding `items`."""
-    return type(like)(*items) if _is_namedtuple(like) else type(like)(items)
+def _map_leaves(value, is_leaf, leaf):
+    """`value` with every leaf replaced by `leaf(it)`, through lists, tuples (named ones too)
+    and dicts, which are rebuilt; anything else as it is."""
+    if is_leaf(value):
+        return leaf(value)
+    if _is_sequence(value):
+        items = [_map_leaves(v, is_leaf, leaf) for v in value]
+        return type(value)(*items) if _is_namedtuple(value) else type(value)(items)
+    if type(value) is dict:
+        return {k: _map_leaves(v, is_leaf, leaf) for k, v in value.items()}
+    return value
+
+
+def _keep(torch, value):
+    """A copy of an optimizer's state value: tensors to host memory, and the lists, tuples
+    and dicts around them rebuilt (LBFGS keeps its history in lists it appends to and pops
+    from in place: kept by reference, a trial's steps would rewrite the user's history)."""
+    return _map_leaves(value, torch.is_tensor, _Kept)
 
 
 def _kept_bytes(kept):
-    if isinstance(kept, _Kept):
-        return kept.host.numel() * kept.host.element_size()
-    if _is_sequence(kept):
-        return sum(_kept_bytes(v) for v in kept)
-    if type(kept) is dict:
-        return sum(_kept_bytes(v) for v in kept.values())
-    return 0
+    sizes = []
+    _map_leaves(kept, lambda v: isinstance(v, _Kept),
+                lambda k: sizes.append(k.host.numel() * k.host.element_size()))
+    return sum(sizes)
 
 
 def _bring_back(current, kept):
     """The value `kept` stands for, on its device again: a tensor in place where `current`
-    is still one of its kind; containers new, as `_keep` found them."""
+    is still one of its kind; in containers, new tensors, as `_keep` found them."""
     if isinstance(kept, _Kept):
         return _put(current, kept.host, kept.device)
-    if _is_sequence(kept):
-        return _rebuilt(kept, [_bring_back(None, v) for v in kept])
-    if type(kept) is dict:
-        return {k: _bring_back(None, v) for k, v in kept.items()}
-    return kept
+    return _map_leaves(kept, lambda v: isinstance(v, _Kept),
+                       lambda k: _put(None, k.host, k.device))
 
 
 def _needs_closure(opt):
