@@ -148,6 +148,30 @@ with torch.device("meta"):
 two_inputs = TwoInputs()
 n_layers = 12
 
+# PyTorch's nn.Transformer tutorial, shrunk: fed (seq, batch) token ids, its encoder
+# seq-first (batch_first=False, the default), its Embedding registered after the encoder.
+class SeqLM(torch.nn.Module):
+    def __init__(self, vocab=40, dim=16):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(dim, 2, 32, dropout=0.1)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.register_buffer("pe", torch.randn(64, 1, dim))
+        self.head = torch.nn.Linear(dim, vocab)
+    def forward(self, src):
+        return self.head(self.encoder(self.emb(src) + self.pe[:src.size(0)]))
+
+class SeqRNN(torch.nn.Module):  # a seq-first LSTM classifier over (seq, batch, features)
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(6, 10)
+        self.head = torch.nn.Linear(10, 3)
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[-1])
+
+seq_lm, seq_rnn = SeqLM(), SeqRNN()
+
 def overstepped_schedule(batch):  # the user's line that makes torch raise
     one = torch.optim.lr_scheduler.OneCycleLR(
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), max_lr=0.1, total_steps=1)
@@ -268,6 +292,29 @@ def test_an_lbfgs_model_is_stepped_with_a_closure_and_its_history_put_back(noteb
     assert_untouched(kc)
 
 
+def test_a_seq_first_model_is_fed_seq_first_and_the_report_says_so(notebook):
+    """PyTorch's Transformer tutorial as a new user writes it: %maxbatch finds its token ids
+    though its Embedding is registered last, and puts the batch on dim 1, where its seq-first
+    encoder takes it (fed batch-first, the encoder would attend across the batch and the
+    search would size another model)."""
+    _, kc = notebook
+    reply, outputs = execute(kc, "%maxbatch seq_lm --input 12", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    text = " ".join(stream_text(outputs).split())
+    assert ("input 12 per sample, the batch on dim 1 of the input, as "
+            "seq_lm.encoder.layers.0.self_attn (MultiheadAttention, batch_first=False) takes it "
+            "(--batch-dim 0 if your loop feeds the batch first), token ids < 40 (from the "
+            "model's emb, an Embedding and the first layer the input reaches), output "
+            "[12, 2, 40]") in text, text
+    assert "one step of batch 2 ran on the cpu" in text, text
+    # Said the other way, it is sized as said, batch first.
+    reply, outputs = execute(kc, "%maxbatch seq_lm --input 12 --batch-dim 0", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    text = " ".join(stream_text(outputs).split())
+    assert "input 12 per sample, token ids < 40" in text and "output [2, 12, 40]" in text, text
+    assert_untouched(kc)
+
+
 @pytest.mark.parametrize("cell, loss", [
     ("%maxbatch seg --input 3x8x8 --optimizer sgd", "cross-entropy over dimension 1 (5 classes"),
     ("%maxbatch seg_aux --input 3x8x8", "cross-entropy over dimension 1 (5 classes, per "
@@ -380,6 +427,10 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
     ("%maxbatch on_meta --input 8", "2 of on_meta's 2 weights and buffers are on the meta "
                                     "device"),
     ("%maxbatch lazy --input 8", "lazy has lazy modules not initialized yet"),
+    ("%maxbatch seq_rnn --input 5x6 --batch-dim 3", "--batch-dim 3 is not a dimension of a "
+                                                    "batch of --input 5x6: it goes from 0 to 2"),
+    ("%maxbatch seq_rnn --input 5x6 --engine libtorch --batch-dim 1", "the libtorch engine puts "
+                                                                       "the batch first"),
     ("%maxbatch regress --input 5", "check --input (the shape of one sample; --vocab N for "
                                       "token ids), or if it takes more than one input"),
     # Where the user's line is, not torch's frame that raised.
@@ -435,6 +486,84 @@ def test_state_the_trial_created_is_dropped_and_state_it_changed_restored(trials
     assert call(trials, ns, "close")["closed"] is True
     assert len(fresh.state) == 0, "the trials' Adam state is gone"
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+
+def _seq_first_prepare(trials, model, **spec):
+    """prepare's reply for `model`, and the input shapes its forward saw in one trial of 5."""
+    import torch
+
+    ns = {"model": model}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", **spec})
+    if "refused" in reply:
+        return reply, None
+    call(trials, ns, "set_loss", plan={"kind": "mean"})
+    seen = []
+    handle = model.register_forward_pre_hook(lambda _m, args: seen.append(tuple(args[0].shape)))
+    try:
+        assert call(trials, ns, "trial", batch=5, steps=2)["result"] == "ran"
+    finally:
+        handle.remove()
+        call(trials, ns, "close")
+    assert all(torch.is_tensor(p) for p in model.parameters())
+    return reply, seen[0]
+
+
+def test_the_batch_goes_where_the_models_seq_first_layers_take_it(trials):
+    """A layer with batch_first=False (PyTorch's default for RNNs, MultiheadAttention and
+    Transformer layers) takes (seq, batch, ...): a loop written for it feeds that, and the
+    trials do too. A model that turns a batch-first input round itself keeps it first."""
+    import torch
+
+    class Transposing(torch.nn.Module):  # a batch-first loop into a seq-first LSTM
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.LSTM(6, 10)
+        def forward(self, x):
+            return self.rnn(x.transpose(0, 1))[0].transpose(0, 1)
+
+    class SeqFirstRNN(torch.nn.Module):
+        def __init__(self, batch_first=False):
+            super().__init__()
+            self.rnn = torch.nn.GRU(6, 10, batch_first=batch_first)
+        def forward(self, x):
+            return self.rnn(x)[0]
+
+    reply, seen = _seq_first_prepare(trials, SeqFirstRNN(), input=[7, 6])
+    assert seen == (7, 5, 6)
+    assert reply["describe"]["batch_dim"] == 1
+    assert reply["describe"]["batch_dim_from"] == "model.rnn (GRU, batch_first=False)"
+    assert reply["output"]["shape"] == [7, 2, 10]
+    # What the user said goes, even against the layer.
+    reply, seen = _seq_first_prepare(trials, SeqFirstRNN(), input=[7, 6], batch_dim=0)
+    assert seen == (5, 7, 6) and reply["describe"]["batch_dim"] == 0
+    for model in (Transposing(), SeqFirstRNN(batch_first=True)):
+        reply, seen = _seq_first_prepare(trials, model, input=[7, 6])
+        assert seen == (5, 7, 6), type(model).__name__
+        assert reply["describe"]["batch_dim"] == 0
+        assert reply["describe"]["batch_dim_from"] is None
+
+
+def test_token_ids_are_found_from_the_embedding_the_input_reaches_first(trials):
+    """The first Embedding registered is not always the first layer: the tutorial's model
+    registers its encoder first. Floats that fail in an Embedding are tried as its ids."""
+    import torch
+
+    class EmbeddingLast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+            self.tok = torch.nn.Embedding(30, 8)
+        def forward(self, x):
+            return self.proj(self.tok(x))
+
+    reply, seen = _seq_first_prepare(trials, EmbeddingLast(), input=[9])
+    assert seen == (5, 9)
+    d = reply["describe"]
+    assert d["vocab"] == 30 and d["input_dtype"] == "int64 token ids"
+    assert d["vocab_from"] == "tok, an Embedding and the first layer the input reaches"
+    # Floats that fail anywhere else are still the user's to fix, with what was tried.
+    reply, _ = _seq_first_prepare(trials, torch.nn.Linear(8, 2), input=[5])
+    assert reply["refused"].startswith("model(x) failed for x of shape (2, 5) (float32)")
 
 
 def test_the_loss_is_computed_on_the_first_tensor_that_is_not_a_scalar(trials):

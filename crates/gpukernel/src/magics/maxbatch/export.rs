@@ -18,6 +18,9 @@ pub(super) struct ExportedModule {
     /// The token ids' range: `--vocab`, else the first layer's Embedding.
     #[serde(default)]
     pub vocab: Option<i64>,
+    /// The module's layers that take (seq, batch, ...) (`batch_first=False`).
+    #[serde(default)]
+    pub seq_first: Vec<String>,
     /// Bytes the notebook's process had allocated on the module's GPU (absent off the GPU).
     #[serde(default)]
     pub held_on_device: Option<u64>,

@@ -43,7 +43,15 @@ def export(user_ns, name, shape, vocab, train=True):
         os.unlink(path)
         raise
     return {"path": path, "method": method, "training": obj.training, "vocab": vocab,
-            "parameters": sum(p.numel() for p in obj.parameters()), **_held(torch, obj)}
+            "parameters": sum(p.numel() for p in obj.parameters()),
+            "seq_first": _seq_first(obj, name), **_held(torch, obj)}
+
+
+def _seq_first(module, name):
+    """The layers that take (seq, batch, ...) (batch_first=False, the default of PyTorch's
+    RNNs, MultiheadAttention and Transformer layers): the engine puts the batch first."""
+    return [f"{name}.{rel}" if rel else name for rel, m in module.named_modules()
+            if getattr(m, "batch_first", None) is False]
 
 
 def _held(torch, module):

@@ -293,6 +293,22 @@ fn unseen_memory_note(
     ))
 }
 
+/// Why this engine's answer may not be for the user's batches at all: it feeds the batch
+/// first, while a layer with `batch_first=False` takes (seq, batch, ...).
+fn seq_first_note(module: &ExportedModule) -> Option<String> {
+    let (first, rest) = module.seq_first.split_first()?;
+    let more = match rest.len() {
+        0 => String::new(),
+        n => format!(" and {n} more"),
+    };
+    Some(format!(
+        "{first}{more} take (seq, batch, ...) (batch_first=False), and this engine puts the \
+         batch on dim 0 of the input: if your loop feeds (seq, batch) tensors, this answer is \
+         for another model's batches; the python engine (without --engine libtorch) puts the \
+         batch where those layers take it"
+    ))
+}
+
 fn findings(
     args: &Args,
     name: &str,
@@ -302,6 +318,9 @@ fn findings(
 ) -> Findings {
     let mut notes = Vec::new();
     if let Some(note) = exported.and_then(|e| unseen_memory_note(&e.module, &report.search)) {
+        notes.push(note);
+    }
+    if let Some(note) = exported.and_then(|e| seq_first_note(&e.module)) {
         notes.push(note);
     }
     if exported.is_some() {
@@ -450,6 +469,19 @@ mod tests {
         assert_eq!(request.vocab, Some(32000));
         // A built-in or a file has no kernel to answer for.
         assert_eq!(request_for(&args, model, None).allocator_budget, None);
+    }
+
+    #[test]
+    fn seq_first_layers_are_named_since_this_engine_puts_the_batch_first() {
+        let mut exported = module(None, None);
+        assert_eq!(seq_first_note(&exported), None);
+        exported.seq_first = vec!["lm.rnn".into(), "lm.attn".into()];
+        let note = seq_first_note(&exported).expect("a note");
+        assert!(
+            note.starts_with("lm.rnn and 1 more take (seq, batch, ...)"),
+            "{note}"
+        );
+        assert!(note.contains("without --engine libtorch"), "{note}");
     }
 
     #[test]

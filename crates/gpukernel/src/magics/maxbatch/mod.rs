@@ -120,7 +120,7 @@ pub(super) struct Args {
     /// Your own function FN(batch_size) that runs one full training step (data, loss,
     /// autocast + GradScaler, checkpointing, accumulation, torch.compile: whatever you use).
     /// Exact by construction.
-    #[arg(long, value_name = "FN", conflicts_with_all = ["model", "input", "vocab", "dtype", "amp", "loss", "target_classes", "optimizer", "optimizer_from", "inference"])]
+    #[arg(long, value_name = "FN", conflicts_with_all = ["model", "input", "batch_dim", "vocab", "dtype", "amp", "loss", "target_classes", "optimizer", "optimizer_from", "inference"])]
     pub(super) step: Option<String>,
     /// Where trials run (default: python for a notebook variable, libtorch otherwise).
     #[arg(long, value_enum)]
@@ -128,6 +128,11 @@ pub(super) struct Args {
     /// Shape of one sample, e.g. 3x224x224, or 512 with --vocab (default for built-ins only).
     #[arg(long, value_name = "SHAPE", value_parser = parse_shape)]
     pub(super) input: Option<Shape>,
+    /// Where the batch goes in the input (python engine): 0, or 1 for a (seq, batch, ...)
+    /// loop. Default: 1 where a layer with batch_first=False would take the batch as its
+    /// sequence, else 0; the report says which.
+    #[arg(long, value_name = "N")]
+    pub(super) batch_dim: Option<usize>,
     /// Integer token inputs in 0..VOCAB (language models) instead of floats; found from the
     /// model's first layer when it is an Embedding.
     #[arg(long, value_name = "VOCAB")]
@@ -338,6 +343,11 @@ fn engine(args: &Args, target: &Target) -> Result<EngineChoice, MagicError> {
         (Target::Notebook { .. }, choice) => choice.unwrap_or(EngineChoice::Python),
         (_, _) => EngineChoice::Libtorch,
     };
+    if engine == EngineChoice::Libtorch && args.batch_dim.is_some_and(|d| d != 0) {
+        return Err(MagicError::usage(
+            "%maxbatch: the libtorch engine puts the batch first; for a loop that feeds              (seq, batch, ...) use the python engine (drop --engine libtorch), which takes              --batch-dim",
+        ));
+    }
     if engine == EngineChoice::Python && args.dtype.is_some() {
         return Err(MagicError::usage(
             "%maxbatch: --dtype is for the libtorch engine; the python engine trains your model \
@@ -460,7 +470,16 @@ mod tests {
         let a = args(&["--step", "train_step"]);
         let err = target(&a, false).unwrap_err();
         assert!(err.evalue.contains("gpu-python kernel"), "{}", err.evalue);
+        let a = args(&["model", "--engine", "libtorch", "--batch-dim", "1"]);
+        let err = engine(&a, &target(&a, true).unwrap()).unwrap_err();
+        assert!(err.evalue.contains("python engine"), "{}", err.evalue);
+        let a = args(&["model", "--input", "35", "--batch-dim", "1"]);
+        assert_eq!(
+            engine(&a, &target(&a, true).unwrap()).unwrap(),
+            EngineChoice::Python
+        );
         assert!(Args::try_parse_from(["%maxbatch", "--step", "f", "--input", "8"]).is_err());
+        assert!(Args::try_parse_from(["%maxbatch", "--step", "f", "--batch-dim", "1"]).is_err());
         assert!(Args::try_parse_from(["%maxbatch"]).is_err());
     }
 }

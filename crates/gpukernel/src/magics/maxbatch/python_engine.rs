@@ -40,6 +40,8 @@ pub(super) struct Spec {
     pub(super) kind: &'static str,
     pub(super) target: String,
     pub(super) input: Option<Vec<i64>>,
+    /// Where the batch goes in the input; `None`: found from the model.
+    pub(super) batch_dim: Option<usize>,
     pub(super) vocab: Option<i64>,
     pub(super) amp: Option<&'static str>,
     pub(super) optimizer: Option<&'static str>,
@@ -74,6 +76,11 @@ struct Described {
     vocab: Option<i64>,
     #[serde(default)]
     vocab_from: Option<String>,
+    /// Where the batch went in the input, and the seq-first layer that put it there.
+    #[serde(default)]
+    batch_dim: usize,
+    #[serde(default)]
+    batch_dim_from: Option<String>,
     #[serde(default)]
     input_dtype: Option<String>,
     /// The dtype of the module's floating-point weights: the step's precision without autocast.
@@ -299,6 +306,7 @@ pub(super) fn spec(args: &Args) -> Spec {
         kind,
         target,
         input: args.input.clone().map(|s| s.0),
+        batch_dim: args.batch_dim,
         vocab: args.vocab,
         amp: args.amp.map(|a| a.name()),
         optimizer: args.optimizer.map(|o| o.name()),
@@ -895,6 +903,18 @@ fn validate_without_gpu(
     Ok(())
 }
 
+/// Where the batch went in the input, when not first: a seq-first loop's (seq, batch, ...).
+fn batch_dim_text(dim: usize, from: Option<&str>) -> String {
+    match (dim, from) {
+        (0, _) => String::new(),
+        (d, Some(layer)) => format!(
+            ", the batch on dim {d} of the input, as {layer} takes it (--batch-dim 0 if your \
+             loop feeds the batch first)"
+        ),
+        (d, None) => format!(", the batch on dim {d} of the input (--batch-dim)"),
+    }
+}
+
 fn assumptions(
     args: &Args,
     spec: &Spec,
@@ -954,10 +974,11 @@ fn assumptions(
             .as_ref()
             .map(|o| format!(", {} {:?} {}", o.inputs.selected, o.shape, o.dtype))
             .unwrap_or_default();
+        let batch = batch_dim_text(d.batch_dim, d.batch_dim_from.as_deref());
         (
             what,
             precision,
-            Some(format!("{shape} per sample{tokens}{output}")),
+            Some(format!("{shape} per sample{batch}{tokens}{output}")),
         )
     };
     Assumptions {
@@ -1039,6 +1060,21 @@ fn notes(prepared: &Prepared) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_not_first_is_said_with_the_layer_that_put_it_there() {
+        assert_eq!(batch_dim_text(0, None), "");
+        let text = batch_dim_text(1, Some("lm.rnn (LSTM, batch_first=False)"));
+        assert!(
+            text.starts_with(", the batch on dim 1 of the input, as lm.rnn (LSTM"),
+            "{text}"
+        );
+        assert!(text.contains("--batch-dim 0"), "{text}");
+        assert_eq!(
+            batch_dim_text(2, None),
+            ", the batch on dim 2 of the input (--batch-dim)"
+        );
+    }
 
     #[test]
     fn an_interrupt_raised_in_the_python_kernel_is_the_users_interrupt() {

@@ -42,6 +42,10 @@ import time
 STEADY_HEADROOM = 0.95
 STEADY_SLACK = 0.001
 
+# The batch of the forward pass that reads the output's shape: BatchNorm refuses one sample in
+# training mode.
+PROBE_BATCH = 2
+
 # What to do with a model that a single input tensor cannot drive.
 STEP_HINT = ("write a function FN(batch_size) that runs one training step of yours (inputs, "
              "loss, backward, optimizer step) and run %maxbatch --step FN")
@@ -490,6 +494,54 @@ def _heads(torch, out, selected):
             and v.shape == selected.shape]
 
 
+class _Watch:
+    """Forward pre-hooks on every submodule for one forward pass: the first leaf module handed
+    the input tensor itself, and, for each layer with `batch_first=False`, which of its input's
+    first two dimensions holds the batch (None when neither or both match it)."""
+
+    def __init__(self, torch, model, name, x):
+        self.torch, self.model, self.name, self.x = torch, model, name, x
+        self.first_layer = None  # (its dotted name within the model, the module)
+        self.seq_first = []  # (description, the dimension the batch was found on)
+        self._handles = []
+
+    def __enter__(self):
+        for rel, module in self.model.named_modules():
+            leaf = next(module.children(), None) is None
+            seq_first = getattr(module, "batch_first", None) is False
+            if leaf or seq_first:
+                self._handles.append(module.register_forward_pre_hook(
+                    self._hook(rel, module, leaf, seq_first), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return False
+
+    def _hook(self, rel, module, leaf, seq_first):
+        torch = self.torch
+        where = f"{self.name}.{rel}" if rel else self.name
+
+        def hook(_module, args, kwargs):
+            values = [*args, *kwargs.values()]
+            if leaf and self.first_layer is None and any(v is self.x for v in values):
+                self.first_layer = (rel, module)
+            first = next((v for v in values if torch.is_tensor(v)), None)
+            if seq_first and first is not None and first.dim() >= 3:
+                hits = [d for d in (0, 1) if first.shape[d] == PROBE_BATCH]
+                self.seq_first.append((f"{where} ({type(module).__name__}, batch_first="
+                                       "False)", hits[0] if len(hits) == 1 else None))
+            return None
+
+        return hook
+
+    def batch_on_sequence(self):
+        """The seq-first layers that took the batch as their sequence (dim 0)."""
+        return [what for what, dim in self.seq_first if dim == 0]
+
+
 class ModuleStep:
     """One standard training step of a notebook module (see the module docstring)."""
 
@@ -525,6 +577,14 @@ class ModuleStep:
             raise MaxBatchError(f"%maxbatch {self.name} needs --input SHAPE, the shape of one "
                                 "sample (e.g. 3x224x224 for images, 512 with --vocab N for "
                                 "token ids)")
+        # Where the batch goes in the input: None until the probe reads it from the model's
+        # seq-first layers (0 unless one takes (seq, batch, ...)).
+        self.batch_dim = spec.get("batch_dim")
+        self.batch_dim_from = None
+        if self.batch_dim is not None and not 0 <= self.batch_dim <= len(self.input):
+            raise MaxBatchError(f"--batch-dim {self.batch_dim} is not a dimension of a batch of "
+                                f"--input {'x'.join(map(str, self.input))}: it goes from 0 to "
+                                f"{len(self.input)}")
         if self.vocab is None:
             # The first layer that holds weights (a leaf: a model may keep a positional
             # embedding as its own parameter).
@@ -610,40 +670,78 @@ class ModuleStep:
 
     def make_input(self, batch):
         torch = self.torch
-        shape = (batch, *self.input)
+        shape = list(self.input)
+        shape.insert(self.batch_dim or 0, batch)
         if self.vocab:
             return torch.randint(0, self.vocab, shape, device=self.device)
         return torch.randn(shape, device=self.device, dtype=self.dtype)
 
     def probe_output(self):
-        """The output's shape and dtype for a batch of 2 (state is put back by the caller's
-        snapshot). The forward runs in the step's own mode, gradients on for training: the
-        kernels it loads are the step's (a first no_grad forward under autocast loaded others,
-        0.6-0.7 s on an H200), and its graph goes with the output."""
+        """The output's shape and dtype for a batch of PROBE_BATCH (state is put back by the
+        caller's snapshot). The forward runs in the step's own mode, gradients on for training:
+        the kernels it loads are the step's (a first no_grad forward under autocast loaded
+        others, 0.6-0.7 s on an H200), and its graph goes with the output.
+
+        Two things about the input are read from the model here, as the forward meets them:
+        token ids, when floats fail in an Embedding that the input reaches first (a model may
+        register its Embedding after the layers it feeds, so the first one registered is not
+        it); and where the batch goes, when a seq-first layer (batch_first=False: PyTorch's
+        RNNs, MultiheadAttention and Transformer layers by default) took it as its sequence."""
         torch = self.torch
         self.model.train(not self.inference)
-        x = self.make_input(2)
-        try:
-            with torch.set_grad_enabled(not self.inference), self._autocast():
-                out = self.model(x)
-        except Exception as err:
-            needed = self._required_arguments()
-            if len(needed) > 1:
-                raise MaxBatchError(
-                    f"{self.name}.forward needs {len(needed)} arguments ({', '.join(needed)}), "
-                    f"while %maxbatch MODULE calls it with one tensor of --input: "
-                    f"{STEP_HINT}") from None
-            what = "token ids" if self.vocab else str(self.dtype).replace("torch.", "")
-            check = ("--input (the shape of one sample) and --vocab" if self.vocab else
-                     "--input (the shape of one sample; --vocab N for token ids)")
-            raise MaxBatchError(
-                f"{self.name}(x) failed for x of shape {tuple(x.shape)} ({what}): "
-                f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}; "
-                f"check {check}, or if it takes more than one input: {STEP_HINT}") from None
+        out, watch = self._watched_forward()
+        if self.batch_dim is None:
+            self.batch_dim = 0
+            misplaced = watch.batch_on_sequence()
+            if misplaced:
+                # Such a layer takes (seq, batch, ...), as the loops written for it feed it.
+                self.batch_dim, self.batch_dim_from = 1, misplaced[0]
+                out = watch = None
+                out, watch = self._watched_forward(also=f" (the batch on dim 1, as "
+                                                   f"{misplaced[0]} takes it)")
+                if watch.batch_on_sequence():
+                    raise MaxBatchError(
+                        f"{misplaced[0]} takes (seq, batch, ...) and got the batch as its "
+                        f"sequence with the batch on dim 0 or 1 of the input alike: say where "
+                        f"your loop puts it with --batch-dim N, or {STEP_HINT}")
         tensor, where = _select_output(torch, out)
         heads = [] if self.inference else [w for w, _ in _heads(torch, out, tensor)]
         return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
                 "selected": where, "heads": heads}
+
+    def _watched_forward(self, also="", tokens_tried=False):
+        """One forward of a batch of PROBE_BATCH in the step's mode, watched (`_Watch`).
+        Floats that fail in an Embedding the input reaches first are tried once as token
+        ids. `also`: what an error message adds about the input."""
+        torch = self.torch
+        x = self.make_input(PROBE_BATCH)
+        watch = _Watch(torch, self.model, self.name, x)
+        try:
+            with watch, torch.set_grad_enabled(not self.inference), self._autocast():
+                return self.model(x), watch
+        except Exception as err:  # only its text is kept: its frames hold the forward's tensors
+            lines = str(err).strip().splitlines()
+            failure = f"{type(err).__name__}: {lines[0] if lines else ''}"
+        first = watch.first_layer
+        if (self.vocab is None and not tokens_tried and first is not None
+                and isinstance(first[1], torch.nn.Embedding)):
+            self.vocab = first[1].num_embeddings
+            self.vocab_from = f"{first[0]}, an Embedding and the first layer the input reaches"
+            return self._watched_forward(also, tokens_tried=True)
+        raise self._forward_failed(tuple(x.shape), failure, also)
+
+    def _forward_failed(self, shape, failure, also):
+        needed = self._required_arguments()
+        if len(needed) > 1:
+            return MaxBatchError(
+                f"{self.name}.forward needs {len(needed)} arguments ({', '.join(needed)}), "
+                f"while %maxbatch MODULE calls it with one tensor of --input: {STEP_HINT}")
+        what = "token ids" if self.vocab else str(self.dtype).replace("torch.", "")
+        check = ("--input (the shape of one sample) and --vocab" if self.vocab else
+                 "--input (the shape of one sample; --vocab N for token ids)")
+        return MaxBatchError(
+            f"{self.name}(x) failed for x of shape {shape} ({what}{also}): {failure}; "
+            f"check {check}, or if it takes more than one input: {STEP_HINT}")
 
     def _autocast(self):
         import contextlib
@@ -756,6 +854,7 @@ class ModuleStep:
     def describe(self):
         return {"optimizer": self.optimizer_name + self._optimizer_note(),
                 "vocab": self.vocab, "vocab_from": self.vocab_from,
+                "batch_dim": self.batch_dim or 0, "batch_dim_from": self.batch_dim_from,
                 "weights_dtype": str(self.dtype).replace("torch.", ""),
                 "input_dtype": "int64 token ids" if self.vocab else
                 str(self.dtype).replace("torch.", ""),
@@ -1113,6 +1212,7 @@ def prepare(user_ns, spec):
     if isinstance(session.step, ModuleStep):
         try:
             reply["output"] = session.step.probe_output()
+            reply["describe"].update(session.step.describe())  # what the probe found
             clock.lap("probe")
         finally:
             session.restore()
