@@ -147,6 +147,29 @@ class LSTMLM(nn.Module):
     def forward(s, x):
         return s.head(s.lstm(s.emb(x))[0])
 
+class TutorialLM(nn.Module):
+    # PyTorch's "Language Modeling with nn.Transformer" tutorial model, scaled up: fed
+    # (seq, batch) token ids, its encoder seq-first (batch_first=False, the default), its
+    # Embedding registered after the encoder, the positional table indexed by x.size(0).
+    def __init__(s, vocab=32000, d=512, nhead=8, d_hid=2048, layers=6, max_len=5000):
+        super().__init__()
+        pos = torch.arange(max_len).unsqueeze(1)
+        div = torch.exp(torch.arange(0, d, 2) * (-math.log(10000.0) / d))
+        pe = torch.zeros(max_len, 1, d)
+        pe[:, 0, 0::2] = torch.sin(pos * div)
+        pe[:, 0, 1::2] = torch.cos(pos * div)
+        s.register_buffer("pe", pe)
+        s.drop = nn.Dropout(0.1)
+        s.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, nhead, d_hid, 0.1), layers,
+                                          enable_nested_tensor=False)
+        s.embedding = nn.Embedding(vocab, d)
+        s.d = d
+        s.linear = nn.Linear(d, vocab)
+    def forward(s, src):
+        x = s.drop(s.embedding(src) * math.sqrt(s.d) + s.pe[:src.size(0)])
+        mask = nn.Transformer.generate_square_subsequent_mask(src.size(0), device=src.device)
+        return s.linear(s.encoder(x, mask))
+
 """
 
 LOOP = r"""
@@ -460,6 +483,9 @@ def fingerprint(name):
             "frozen": sum(not p.requires_grad for p in m.parameters()), "training": m.training,
             "rng": int(torch.cuda.get_rng_state().double().sum())}
 
+def seq_tokens(vocab, seq):  # (seq, batch) token ids, as the nn.Transformer tutorial batches them
+    return lambda b: (torch.randint(0, vocab, (seq, b), device=dev), torch.randint(0, vocab, (seq, b), device=dev))
+
 def sentences(vocab, seq, classes):  # token ids and one label per sequence
     return lambda b: (torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, classes, (b,), device=dev))
 
@@ -563,6 +589,10 @@ ROWS = {
                         "tv_fcn_aux_fp32 --input 3x256x256", False),
     "tv_r3d18_fp32": ("make('tv_r3d18_fp32', tv_r3d18, clips(16, 112, 400), opt=sgd_recipe)",
                       "tv_r3d18_fp32 --input 3x16x112x112", False),
+    # Row new to the suite on 2026-12-06: a seq-first model fed (seq, batch), which the
+    # standard step now feeds the same way (the batch on dim 1, found from its encoder).
+    "tutorial_seqfirst_fp32": ("make('tutorial_seqfirst_fp32', TutorialLM, seq_tokens(32000, 256))",
+                               "tutorial_seqfirst_fp32 --input 256", False),
 }
 # The --step rows: the notebook variable their function trains.
 STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum",

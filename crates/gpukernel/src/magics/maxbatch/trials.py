@@ -507,6 +507,8 @@ class _Watch:
 
     def __enter__(self):
         for rel, module in self.model.named_modules():
+            if isinstance(module, self.torch.jit.ScriptModule):
+                continue  # TorchScript takes no hooks (its layers are not watched)
             leaf = next(module.children(), None) is None
             seq_first = getattr(module, "batch_first", None) is False
             if leaf or seq_first:
