@@ -547,6 +547,44 @@ def test_the_batch_goes_where_the_models_seq_first_layers_take_it(trials):
         assert reply["describe"]["batch_dim_from"] is None
 
 
+def test_a_compiled_model_is_not_recompiled_to_watch_its_layers(trials):
+    """Hooks on a torch.compile'd model's layers make dynamo trace it again (minutes for a
+    large model): the probe watches the eager module it wraps, which has the same shapes."""
+    import torch
+
+    compiles = []
+
+    def backend(graph, _inputs):
+        compiles.append(graph)
+        return graph.forward
+
+    class SeqFirst(torch.nn.Module):  # dynamo traces attention (it leaves RNNs eager)
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(6, 2)
+        def forward(self, x):
+            return self.attn(x, x, x)[0]
+
+    class CompiledInside(torch.nn.Module):  # only the encoder compiled, as users often do
+        def __init__(self):
+            super().__init__()
+            self.encoder = torch.compile(SeqFirst(), backend=backend)
+            self.head = torch.nn.Linear(6, 3)
+        def forward(self, x):
+            return self.head(self.encoder(x))
+
+    for model in (torch.compile(SeqFirst(), backend=backend), CompiledInside()):
+        model(torch.randn(7, 2, 6))  # the user's loop ran it
+        compiled = len(compiles)
+        ns = {"model": model}
+        reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                                  "input": [7, 6]})
+        assert reply["describe"]["batch_dim"] == 1, reply
+        assert len(compiles) == compiled, "the probe compiled the model again"
+        call(trials, ns, "close")
+    assert compiles, "dynamo compiled nothing: the test would prove nothing"
+
+
 def test_token_ids_are_found_from_the_embedding_the_input_reaches_first(trials):
     """The first Embedding registered is not always the first layer: the tutorial's model
     registers its encoder first. Floats that fail in an Embedding are tried as its ids."""
@@ -565,6 +603,10 @@ def test_token_ids_are_found_from_the_embedding_the_input_reaches_first(trials):
     d = reply["describe"]
     assert d["vocab"] == 30 and d["input_dtype"] == "int64 token ids"
     assert d["vocab_from"] == "tok, an Embedding and the first layer the input reaches"
+    # An EmbeddingBag (a recommender's sparse features) takes ids too, though not an Embedding.
+    bags = torch.nn.Sequential(torch.nn.EmbeddingBag(25, 4), torch.nn.Linear(4, 2))
+    reply, seen = _seq_first_prepare(trials, bags, input=[6])
+    assert seen == (5, 6) and reply["describe"]["vocab"] == 25
     # Floats that fail anywhere else are still the user's to fix, with what was tried.
     reply, _ = _seq_first_prepare(trials, torch.nn.Linear(8, 2), input=[5])
     assert reply["refused"].startswith("model(x) failed for x of shape (2, 5) (float32)")

@@ -89,7 +89,8 @@ def _vocab(torch, module):
     may keep a positional embedding as its own parameter), as the python engine infers it."""
     first = next((m for m in module.modules() if next(m.children(), None) is None
                   and next(m.parameters(False), None) is not None), None)
-    return first.num_embeddings if isinstance(first, torch.nn.Embedding) else None
+    embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    return first.num_embeddings if isinstance(first, embeddings) else None
 
 
 def _trace(torch, module, shape, vocab, train):

@@ -494,26 +494,39 @@ def _heads(torch, out, selected):
             and v.shape == selected.shape]
 
 
-class _Watch:
-    """Forward pre-hooks on every submodule for one forward pass: the first leaf module handed
-    the input tensor itself, and, for each layer with `batch_first=False`, which of its input's
-    first two dimensions holds the batch (None when neither or both match it)."""
+def _token_layers(torch):
+    """The layers that take token ids (EmbeddingBag is not an Embedding)."""
+    return (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
-    def __init__(self, torch, model, name, x):
+
+class _Watch:
+    """Forward pre-hooks for one forward pass: for each layer with `batch_first=False`, which
+    of its input's first two dimensions holds the batch (None when neither or both match it);
+    with `leaves`, also the first leaf module handed the input tensor itself. Nothing is hooked
+    where nothing is asked (hooks make torch.compile recompile)."""
+
+    def __init__(self, torch, model, name, x, leaves):
         self.torch, self.model, self.name, self.x = torch, model, name, x
         self.first_layer = None  # (its dotted name within the model, the module)
         self.seq_first = []  # (description, the dimension the batch was found on)
-        self._handles = []
-
-    def __enter__(self):
-        for rel, module in self.model.named_modules():
-            if isinstance(module, self.torch.jit.ScriptModule):
+        self._watched = []
+        for rel, module in model.named_modules():
+            if isinstance(module, torch.jit.ScriptModule):
                 continue  # TorchScript takes no hooks (its layers are not watched)
-            leaf = next(module.children(), None) is None
+            leaf = leaves and next(module.children(), None) is None
             seq_first = getattr(module, "batch_first", None) is False
             if leaf or seq_first:
-                self._handles.append(module.register_forward_pre_hook(
-                    self._hook(rel, module, leaf, seq_first), with_kwargs=True))
+                self._watched.append((rel, module, leaf, seq_first))
+        self._handles = []
+
+    @property
+    def hooked(self):
+        return bool(self._watched)
+
+    def __enter__(self):
+        self._handles = [watched[1].register_forward_pre_hook(self._hook(*watched),
+                                                              with_kwargs=True)
+                         for watched in self._watched]
         return self
 
     def __exit__(self, *exc):
@@ -592,7 +605,7 @@ class ModuleStep:
             # embedding as its own parameter).
             first = next((m for m in model.modules() if next(m.children(), None) is None
                           and next(m.parameters(False), None) is not None), None)
-            if isinstance(first, torch.nn.Embedding):
+            if isinstance(first, _token_layers(torch)):
                 self.vocab, self.vocab_from = first.num_embeddings, type(first).__name__
         if not self.inference and not any(p.requires_grad for p in model.parameters()):
             raise MaxBatchError(f"{self.name} has no trainable parameters (none with "
@@ -717,20 +730,46 @@ class ModuleStep:
         ids. `also`: what an error message adds about the input."""
         torch = self.torch
         x = self.make_input(PROBE_BATCH)
-        watch = _Watch(torch, self.model, self.name, x)
-        try:
-            with watch, torch.set_grad_enabled(not self.inference), self._autocast():
-                return self.model(x), watch
-        except Exception as err:  # only its text is kept: its frames hold the forward's tensors
-            lines = str(err).strip().splitlines()
-            failure = f"{type(err).__name__}: {lines[0] if lines else ''}"
-        first = watch.first_layer
-        if (self.vocab is None and not tokens_tried and first is not None
-                and isinstance(first[1], torch.nn.Embedding)):
-            self.vocab = first[1].num_embeddings
-            self.vocab_from = f"{first[0]}, an Embedding and the first layer the input reaches"
-            return self._watched_forward(also, tokens_tried=True)
+        watch = _Watch(torch, self.model, self.name, x, leaves=False)
+        out, failure = self._forward(x, watch)
+        if failure is None:
+            return out, watch
+        if self.vocab is None and not tokens_tried and any(
+                isinstance(m, _token_layers(torch)) for m in self.model.modules()):
+            # Which layer the input reaches first: hooked on a second try, which fails as the
+            # first did (a model need not register its layers in the order it runs them).
+            finder = _Watch(torch, self.model, self.name, x, leaves=True)
+            self._forward(x, finder)
+            if finder.first_layer is not None and isinstance(finder.first_layer[1],
+                                                             _token_layers(torch)):
+                rel, first = finder.first_layer
+                self.vocab = first.num_embeddings
+                self.vocab_from = (f"{rel}, an {type(first).__name__} and the first layer the "
+                                   "input reaches")
+                return self._watched_forward(also, tokens_tried=True)
         raise self._forward_failed(tuple(x.shape), failure, also)
+
+    def _forward(self, x, watch):
+        """(the output, None), or (None, the failure's text): only the text is kept, since
+        the exception's frames hold the forward's tensors."""
+        import contextlib
+        torch, model = self.torch, self.model
+        eager = contextlib.nullcontext()
+        if watch.hooked:
+            # Hooks inside a torch.compile'd model or submodule make dynamo trace it again
+            # (minutes for a large model; and it cannot import this private module): the probe
+            # runs it eagerly, with the same shapes.
+            stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+            if stance is not None:
+                eager = stance("force_eager")
+            elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+                model = model._orig_mod
+        try:
+            with eager, watch, torch.set_grad_enabled(not self.inference), self._autocast():
+                return model(x), None
+        except Exception as err:
+            lines = str(err).strip().splitlines()
+            return None, f"{type(err).__name__}: {lines[0] if lines else ''}"
 
     def _forward_failed(self, shape, failure, also):
         needed = self._required_arguments()
