@@ -147,6 +147,29 @@ class LSTMLM(nn.Module):
     def forward(s, x):
         return s.head(s.lstm(s.emb(x))[0])
 
+class NanoGPT(nn.Module):
+    # Karpathy's nanoGPT (model.py), GPT-2 small: forward(idx, targets=None) returns (logits,
+    # loss), and without targets the logits of the last position only.
+    def __init__(s, vocab=50304, block=1024, d=768, layers=12, heads=12):
+        super().__init__()
+        s.wte, s.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        s.h = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        s.ln_f = nn.LayerNorm(d)
+        s.lm_head = nn.Linear(d, vocab, bias=False)
+        s.wte.weight = s.lm_head.weight  # weight tying, as nanoGPT
+    def forward(s, idx, targets=None):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = s.wte(idx) + s.wpe(pos)
+        for block in s.h:
+            x = block(x)
+        x = s.ln_f(x)
+        if targets is not None:
+            logits = s.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits, loss = s.lm_head(x[:, [-1], :]), None
+        return logits, loss
+
 class TutorialLM(nn.Module):
     # PyTorch's "Language Modeling with nn.Transformer" tutorial model, scaled up: fed
     # (seq, batch) token ids, its encoder seq-first (batch_first=False, the default), its
@@ -199,6 +222,7 @@ def make(name, factory, maker, amp=None, opt=None, weights=None):
 
 accumulate = {}  # name -> micro-batches per optimizer step (gradient accumulation)
 own_loss = set()  # names trained with the model's own loss (a Hugging Face model given labels=)
+own_targets = set()  # names trained as nanoGPT is: model(x, targets) returns (logits, loss)
 scheds = {}  # name -> LR scheduler stepped after every optimizer step
 clip = set()  # names whose gradients are clipped to norm 1 before the optimizer step
 
@@ -215,6 +239,8 @@ def train(name, batch, steps):
             with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
                 if name in own_loss:  # as Hugging Face users train: the model's loss (shifted)
                     loss = m(input_ids=x, labels=x).loss / micro
+                elif name in own_targets:  # as nanoGPT trains: logits, loss = model(X, Y)
+                    loss = m(x, y)[1] / micro
                 else:
                     out = m(x)
                     out = getattr(out, "logits", out)  # a Hugging Face model's output
@@ -591,6 +617,10 @@ ROWS = {
                       "tv_r3d18_fp32 --input 3x16x112x112", False),
     # Row new to the suite on 2026-12-06: a seq-first model fed (seq, batch), which the
     # standard step now feeds the same way (the batch on dim 1, found from its encoder).
+    # Row new to the suite on 2026-12-06: nanoGPT, whose forward computes the training
+    # logits only when given targets; the standard step now passes them, as its loop does.
+    "nanogpt_fp32": ("make('nanogpt_fp32', NanoGPT, tokens(50304, 1024)); own_targets.add('nanogpt_fp32')",
+                     "nanogpt_fp32 --input 1024", False),
     "tutorial_seqfirst_fp32": ("make('tutorial_seqfirst_fp32', TutorialLM, seq_tokens(32000, 256))",
                                "tutorial_seqfirst_fp32 --input 256", False),
 }

@@ -172,6 +172,35 @@ class SeqRNN(torch.nn.Module):  # a seq-first LSTM classifier over (seq, batch, 
 
 seq_lm, seq_rnn = SeqLM(), SeqRNN()
 
+# nanoGPT's contract: forward(idx, targets=None) -> (logits, loss), and without targets the
+# logits of the last position only (its "inference-time mini-optimization").
+class NanoGPT(torch.nn.Module):
+    def __init__(self, vocab=40, dim=16):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.block = torch.nn.Linear(dim, dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+    def forward(self, idx, targets=None):
+        x = self.block(self.wte(idx)).relu()
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        else:
+            logits, loss = self.lm_head(x[:, [-1], :]), None
+        return logits, loss
+
+# A Hugging Face-style classifier: `labels=` adds the loss, the logits are the same.
+class LabelledClassifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+    def forward(self, x, labels=None):
+        logits = self.lin(x)
+        return {"logits": logits,
+                "loss": None if labels is None else F.cross_entropy(logits, labels)}
+
+nano, labelled = NanoGPT(), LabelledClassifier()
+
 def overstepped_schedule(batch):  # the user's line that makes torch raise
     one = torch.optim.lr_scheduler.OneCycleLR(
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), max_lr=0.1, total_steps=1)
@@ -293,6 +322,34 @@ def test_an_lbfgs_model_is_stepped_with_a_closure_and_its_history_put_back(noteb
                 "fills over your next steps") in text, text
     _, outputs = execute(kc, LBFGS_STATE, timeout=60)
     assert stream_text(outputs) == history
+    assert_untouched(kc)
+
+
+@pytest.mark.parametrize("cell, loss", [
+    # nanoGPT without targets computes the logits of one position: a step on those would size
+    # a far smaller step than its training loop's, which passes targets.
+    ("%maxbatch nano --input 16", "loss the model's own: nano(x, targets=...) returns it at "
+     "output[1], targets token ids shaped like the input (without targets its forward returns "
+     "output[0] [2, 1, 40], not the [2, 16, 40] it trains on with them: --loss ce computes "
+     "cross-entropy on that instead)"),
+    ("%maxbatch nano --input 16 --loss own", "loss the model's own: nano(x, targets=...) "
+     "returns it at output[1], targets token ids shaped like the input; "),
+    ("%maxbatch nano --input 16 --loss ce", "loss cross-entropy over the last dimension (40 "
+     "classes); optimizer"),
+    # The same logits with labels as without: the standard loss, and the way to the other.
+    ("%maxbatch labelled --input 8", "loss cross-entropy over the last dimension (3 classes) "
+     "(its forward also takes labels: if your loop passes them and trains on the loss it "
+     "returns, --loss own sizes that loss, which can hold more)"),
+    ("%maxbatch labelled --input 8 --loss own", "loss the model's own: labelled(x, labels=...) "
+     "returns it at output['loss'], labels class ids < 3 shaped [2] at batch 2; "),
+])
+def test_a_model_that_computes_its_own_loss_is_trained_on_it(notebook, cell, loss):
+    _, kc = notebook
+    reply, outputs = execute(kc, cell, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    text = " ".join(stream_text(outputs).split())
+    assert loss in text, text
+    assert "one step of batch 2 ran on the cpu" in text, text
     assert_untouched(kc)
 
 
@@ -431,6 +488,10 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
     ("%maxbatch on_meta --input 8", "2 of on_meta's 2 weights and buffers are on the meta "
                                     "device"),
     ("%maxbatch lazy --input 8", "lazy has lazy modules not initialized yet"),
+    ("%maxbatch regress --input 8 --loss own", "regress.forward takes none (no optional "
+                                               "targets or labels or target)"),
+    ("%maxbatch nano --input 16 --loss own --engine libtorch", "--loss own runs your model's "
+                                                               "forward with targets"),
     ("%maxbatch seq_rnn --input 5x6 --batch-dim 3", "--batch-dim 3 is not a dimension of a "
                                                     "batch of --input 5x6: it goes from 0 to 2"),
     ("%maxbatch seq_rnn --input 5x6 --engine libtorch --batch-dim 1", "the libtorch engine puts "
@@ -545,6 +606,46 @@ def test_the_batch_goes_where_the_models_seq_first_layers_take_it(trials):
         assert seen == (5, 7, 6), type(model).__name__
         assert reply["describe"]["batch_dim"] == 0
         assert reply["describe"]["batch_dim_from"] is None
+
+
+def test_the_step_trains_on_the_loss_a_model_computes_from_its_targets(trials):
+    """nanoGPT computes its training logits only when given targets: the trials pass them,
+    as its loop does, and train on the loss it returns. Told --loss ce, they do not."""
+    import torch
+    import torch.nn.functional as F
+
+    class Nano(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(30, 8)
+            self.lm_head = torch.nn.Linear(8, 30)
+        def forward(self, idx, targets=None):
+            x = self.wte(idx)
+            if targets is None:
+                return self.lm_head(x[:, [-1], :]), None
+            logits = self.lm_head(x)
+            return logits, F.cross_entropy(logits.view(-1, 30), targets.view(-1))
+
+    for loss, logits in ((None, (5, 12, 30)), ("own", (5, 12, 30)), ("ce", (5, 1, 30))):
+        model = Nano()
+        ns = {"model": model}
+        spec = {"kind": "module", "target": "model", "input": [12], "loss": loss}
+        reply = call(trials, ns, "prepare", spec=spec)
+        assert ("own_loss" in reply["output"]) == (loss != "ce"), reply
+        call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 30, "class_dim": -1})
+        seen, targets = [], []
+        hooks = [model.lm_head.register_forward_hook(lambda _m, _a, o: seen.append(o.shape)),
+                 model.register_forward_pre_hook(
+                     lambda _m, _a, kw: targets.append(kw.get("targets")), with_kwargs=True)]
+        try:
+            assert call(trials, ns, "trial", batch=5, steps=2)["result"] == "ran"
+        finally:
+            for hook in hooks:
+                hook.remove()
+            call(trials, ns, "close")
+        assert seen and all(tuple(s) == logits for s in seen), (loss, seen)
+        if loss != "ce":  # token ids in the vocabulary, shaped like the batch of input
+            assert all(t.shape == (5, 12) and 0 <= t.min() and t.max() < 30 for t in targets)
 
 
 def test_a_compiled_model_is_not_recompiled_to_watch_its_layers(trials):

@@ -1,7 +1,7 @@
 //! `--engine libtorch` on a notebook module: the Python kernel saves it as TorchScript in a
 //! private file (`export_module.py`), leaving the module untouched.
 
-use crate::magics::python::{Bound, PythonKernel};
+use crate::magics::python::{Bound, EvalError, PythonKernel};
 use crate::magics::CancelToken;
 use serde::Deserialize;
 use std::time::Duration;
@@ -32,6 +32,19 @@ pub(super) struct ExportedModule {
     pub allocator_limit: Option<u64>,
 }
 
+/// Why a module could not be exported.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum ExportError {
+    /// The Python side raised (not a module, scripting and tracing failed) or gave no answer.
+    #[error(transparent)]
+    Python(#[from] EvalError),
+    #[error("unreadable export result ({source}): {text}")]
+    Unreadable {
+        source: serde_json::Error,
+        text: String,
+    },
+}
+
 const EXPORT_MODULE_SOURCE: &str = include_str!("export_module.py");
 
 /// The user expression behind [`export`]: runs `export_module.py` in a
@@ -60,8 +73,11 @@ fn export_module_expression(
 }
 
 /// Parses the `text/plain` of [`export_module_expression`]'s result.
-fn parse_exported_module(text: &str) -> Result<ExportedModule, String> {
-    serde_json::from_str(text).map_err(|e| format!("unreadable export result ({e}): {text}"))
+fn parse_exported_module(text: &str) -> Result<ExportedModule, ExportError> {
+    serde_json::from_str(text).map_err(|source| ExportError::Unreadable {
+        source,
+        text: text.to_string(),
+    })
 }
 
 /// Saves the `torch.nn.Module` named `name` (a dotted name) as TorchScript into a private
@@ -74,18 +90,16 @@ pub(super) fn export(
     input: Option<&[i64]>,
     vocab: Option<i64>,
     train: bool,
-) -> Result<ExportedModule, String> {
+) -> Result<ExportedModule, ExportError> {
     let expression = export_module_expression(name, input, vocab, train);
-    let text = python
-        .evaluate_bounded(
-            &expression,
-            Bound {
-                limit: Duration::from_secs(600),
-                cancel,
-                tick: &mut |_| {},
-            },
-        )
-        .map_err(|e| e.to_string())?;
+    let text = python.evaluate_bounded(
+        &expression,
+        Bound {
+            limit: Duration::from_secs(600),
+            cancel,
+            tick: &mut |_| {},
+        },
+    )?;
     parse_exported_module(&text)
 }
 

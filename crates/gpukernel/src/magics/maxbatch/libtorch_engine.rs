@@ -101,7 +101,7 @@ fn request(args: &Args, model: ModelSource) -> MaxBatchRequest {
         max_trials: MAX_TRIALS,
         tolerance: if args.exact { 0.0 } else { TOLERANCE },
         baseline_search: args.search == SearchKind::DoubleBisect,
-        loss: args.loss.map(|l| l.kind()),
+        loss: args.loss.and_then(|l| l.kind()),
         target_classes: args.target_classes,
         trial_timeout_s: Some(args.trial_timeout),
     }

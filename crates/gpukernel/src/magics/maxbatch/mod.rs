@@ -74,14 +74,29 @@ pub(super) enum Loss {
     Mse,
     /// The output's mean.
     Mean,
+    /// The loss the model computes itself when given targets (`forward(x, targets=...)`, as
+    /// nanoGPT's; `labels=` for Hugging Face models), python engine.
+    Own,
 }
 
 impl Loss {
-    pub(super) fn kind(self) -> LossKind {
+    /// The standard loss both engines compute; `None` for the model's own.
+    pub(super) fn kind(self) -> Option<LossKind> {
         match self {
-            Loss::Ce => LossKind::Ce,
-            Loss::Mse => LossKind::Mse,
-            Loss::Mean => LossKind::Mean,
+            Loss::Ce => Some(LossKind::Ce),
+            Loss::Mse => Some(LossKind::Mse),
+            Loss::Mean => Some(LossKind::Mean),
+            Loss::Own => None,
+        }
+    }
+
+    /// As `trials.py` takes it.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Loss::Ce => "ce",
+            Loss::Mse => "mse",
+            Loss::Mean => "mean",
+            Loss::Own => "own",
         }
     }
 }
@@ -137,8 +152,9 @@ pub(super) struct Args {
     /// model's first layer when it is an Embedding.
     #[arg(long, value_name = "VOCAB")]
     pub(super) vocab: Option<i64>,
-    /// The loss of the step (default: cross-entropy when the output looks like class scores,
-    /// else mse; the report says which).
+    /// The loss of the step (default: the model's own where its forward computes more when
+    /// given targets, as nanoGPT's does; else cross-entropy when the output looks like class
+    /// scores, else mse; the report says which).
     #[arg(long, value_enum)]
     pub(super) loss: Option<Loss>,
     /// Classes the cross-entropy targets range over (picks the output's class dimension).
@@ -348,6 +364,12 @@ fn engine(args: &Args, target: &Target) -> Result<EngineChoice, MagicError> {
             "%maxbatch: the libtorch engine puts the batch first; for a loop that feeds              (seq, batch, ...) use the python engine (drop --engine libtorch), which takes              --batch-dim",
         ));
     }
+    if engine == EngineChoice::Libtorch && args.loss == Some(Loss::Own) {
+        return Err(MagicError::usage(
+            "%maxbatch: --loss own runs your model's forward with targets, which only your \
+             Python kernel can: drop --engine libtorch",
+        ));
+    }
     if engine == EngineChoice::Python && args.dtype.is_some() {
         return Err(MagicError::usage(
             "%maxbatch: --dtype is for the libtorch engine; the python engine trains your model \
@@ -473,6 +495,13 @@ mod tests {
         let a = args(&["model", "--engine", "libtorch", "--batch-dim", "1"]);
         let err = engine(&a, &target(&a, true).unwrap()).unwrap_err();
         assert!(err.evalue.contains("python engine"), "{}", err.evalue);
+        let a = args(&["model", "--engine", "libtorch", "--loss", "own"]);
+        let err = engine(&a, &target(&a, true).unwrap()).unwrap_err();
+        assert!(
+            err.evalue.contains("drop --engine libtorch"),
+            "{}",
+            err.evalue
+        );
         let a = args(&["model", "--input", "35", "--batch-dim", "1"]);
         assert_eq!(
             engine(&a, &target(&a, true).unwrap()).unwrap(),

@@ -48,6 +48,9 @@ pub(super) struct Spec {
     pub(super) optimizer_from: Option<String>,
     pub(super) inference: bool,
     pub(super) device: Option<usize>,
+    /// `--loss`: "own" makes the step train on the model's own loss; the others leave it to
+    /// the plan (`set_loss`), and keep the step from choosing the model's own by itself.
+    pub(super) loss: Option<&'static str>,
 }
 
 /// `prepare`'s reply.
@@ -115,6 +118,28 @@ struct OutputInfo {
     /// The selected tensor and the heads trained with it.
     #[serde(flatten)]
     inputs: LossInputs,
+    /// The loss the model computes itself, when the step trains on it.
+    #[serde(default)]
+    own_loss: Option<OwnLoss>,
+    /// The forward's optional targets argument (`targets`, `labels`), if it has one.
+    #[serde(default)]
+    targets_parameter: Option<String>,
+}
+
+/// The loss the model computes itself when given targets (`--loss own`, or by default where
+/// its forward computes more with them: nanoGPT's computes the logits of the last position
+/// only without targets).
+#[derive(Debug, Clone, Deserialize)]
+struct OwnLoss {
+    /// The forward's argument the targets go to.
+    parameter: String,
+    /// What the targets are, in words.
+    targets: String,
+    /// Where the forward returns the loss: `output[1]`, `output.loss`.
+    returned: String,
+    /// Why the step trains on it without --loss own.
+    #[serde(default)]
+    reason: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -313,6 +338,7 @@ pub(super) fn spec(args: &Args) -> Spec {
         optimizer_from: args.optimizer_from.clone(),
         inference: args.inference,
         device: args.device,
+        loss: args.loss.map(|l| l.name()),
     }
 }
 
@@ -472,12 +498,12 @@ fn plan_loss(
     args: &Args,
     prepared: &Prepared,
 ) -> Result<Option<LossPlan>, MagicError> {
-    let Some(output) = &prepared.output else {
-        return Ok(None);
+    let Some(output) = prepared.output.as_ref().filter(|o| o.own_loss.is_none()) else {
+        return Ok(None); // a step function's loss, or the model's own: nothing to plan
     };
     let plan = loss::plan(
         &output.shape,
-        args.loss.map(|l| l.kind()),
+        args.loss.and_then(|l| l.kind()),
         args.target_classes,
         prepared.describe.vocab.or(args.vocab),
     )
@@ -984,7 +1010,10 @@ fn assumptions(
     Assumptions {
         engine: EngineKind::Python,
         step,
-        loss: loss.map(|plan| loss_text(args, prepared, plan)),
+        loss: match prepared.output.as_ref().and_then(|o| o.own_loss.as_ref()) {
+            Some(own) => Some(own_loss_text(&spec.target, own)),
+            None => loss.map(|plan| loss_text(args, prepared, plan)),
+        },
         precision,
         optimizer: d.optimizer.clone(),
         input,
@@ -1005,10 +1034,32 @@ fn loss_text(args: &Args, prepared: &Prepared, plan: &LossPlan) -> String {
         Some(hint) => format!("{plan} ({hint})"),
         None => plan.to_string(),
     };
-    match &prepared.output {
-        Some(o) => o.inputs.describe(text),
-        None => text,
+    let Some(o) = &prepared.output else {
+        return text;
+    };
+    let text = o.inputs.describe(text);
+    match (&o.targets_parameter, args.loss) {
+        (Some(p), None) => format!(
+            "{text} (its forward also takes {p}: if your loop passes them and trains on the \
+             loss it returns, --loss own sizes that loss, which can hold more)"
+        ),
+        _ => text,
     }
+}
+
+/// The model's own loss as the report states it.
+fn own_loss_text(model: &str, own: &OwnLoss) -> String {
+    let reason = own
+        .reason
+        .as_deref()
+        .map(|r| format!(" ({r})"))
+        .unwrap_or_default();
+    format!(
+        "the model's own: {model}(x, {p}=...) returns it at {returned}, {p} {targets}{reason}",
+        p = own.parameter,
+        returned = own.returned,
+        targets = own.targets,
+    )
 }
 
 fn notes(prepared: &Prepared) -> Vec<String> {
@@ -1060,6 +1111,21 @@ fn notes(prepared: &Prepared) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_models_own_loss_is_said_with_its_targets_and_why() {
+        let own = OwnLoss {
+            parameter: "targets".into(),
+            targets: "token ids shaped like the input".into(),
+            returned: "output[1]".into(),
+            reason: Some("without targets its forward returns output[0] [2, 1, 500]".into()),
+        };
+        assert_eq!(
+            own_loss_text("gpt", &own),
+            "the model's own: gpt(x, targets=...) returns it at output[1], targets token ids \
+             shaped like the input (without targets its forward returns output[0] [2, 1, 500])"
+        );
+    }
 
     #[test]
     fn a_batch_not_first_is_said_with_the_layer_that_put_it_there() {

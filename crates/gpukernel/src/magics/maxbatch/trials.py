@@ -46,6 +46,10 @@ STEADY_SLACK = 0.001
 # training mode.
 PROBE_BATCH = 2
 
+# The names a forward takes its training targets under: nanoGPT's and minGPT's `targets`,
+# Hugging Face's `labels`.
+TARGET_PARAMETERS = ("targets", "labels", "target")
+
 # What to do with a model that a single input tensor cannot drive.
 STEP_HINT = ("write a function FN(batch_size) that runs one training step of yours (inputs, "
              "loss, backward, optimizer step) and run %maxbatch --step FN")
@@ -484,6 +488,16 @@ def _select_output(torch, out):
                         "tensor to compute a loss on; use --step FN with your own step")
 
 
+def _returned_loss(torch, out):
+    """The scalar loss a model returned with its output (`(logits, loss)`, a Hugging Face
+    output's `.loss`): (tensor, how it was found), or None."""
+    def scalar(v):
+        return torch.is_tensor(v) and v.dim() == 0 and v.is_floating_point()
+    if scalar(getattr(out, "loss", None)):
+        return out.loss, "output.loss"
+    return next(((v, where) for where, v in _output_items(out) if scalar(v)), None)
+
+
 def _heads(torch, out, selected):
     """The output's other tensors shaped like `selected`: auxiliary heads (torchvision's
     segmentation `{'out', 'aux'}`, Inception's `aux_logits`), which a user's loss trains with
@@ -613,6 +627,10 @@ class ModuleStep:
                                 "unfreeze what you train, or size a forward pass with "
                                 "--inference")
         self.loss_plan = None
+        self.loss_requested = spec.get("loss")
+        # The model's own loss, when the step trains on it: the forward's targets argument
+        # and how its targets are made (`_targets`).
+        self.own = None
         self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
             user_ns, spec, found)
         mine = [self.optimizer] if self.optimizer is not None else []
@@ -721,8 +739,110 @@ class ModuleStep:
                         f"your loop puts it with --batch-dim N, or {STEP_HINT}")
         tensor, where = _select_output(torch, out)
         heads = [] if self.inference else [w for w, _ in _heads(torch, out, tensor)]
-        return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
-                "selected": where, "heads": heads}
+        parameter = None if self.inference else self._targets_parameter()
+        reply = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
+                 "selected": where, "heads": heads, "targets_parameter": parameter}
+        if parameter is not None and self.loss_requested in (None, "own"):
+            tensor = out = None  # their graph goes before the forward with targets
+            reply.update(self._probe_own_loss(parameter, reply["shape"], where))
+        elif self.loss_requested == "own" and self.inference:
+            raise MaxBatchError("--inference runs no loss: drop --loss own")
+        elif self.loss_requested == "own":
+            raise MaxBatchError(
+                f"--loss own trains on the loss {self.name} returns when given targets, and "
+                f"{self.name}.forward takes none (no optional "
+                f"{' or '.join(TARGET_PARAMETERS)}): pick --loss ce, mse or mean, or "
+                f"{STEP_HINT}")
+        return reply
+
+    def _targets_parameter(self):
+        """The forward's optional argument for training targets, if it has one."""
+        import inspect
+        try:
+            signature = inspect.signature(self.model.forward)
+        except (TypeError, ValueError):
+            return None
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return next((p.name for p in signature.parameters.values()
+                     if p.name in TARGET_PARAMETERS and p.kind in kinds
+                     and p.default is not inspect.Parameter.empty), None)
+
+    def _target_candidates(self, shape):
+        """How targets could be made, most likely first: [(words, shape at PROBE_BATCH, the
+        batch's dimension in it, values below)]. Their values stay below the output's class
+        count: an index out of range is a device-side assert on the GPU, fatal to the CUDA
+        context of the user's process, where a wrong shape is an ordinary exception."""
+        classes = shape[-1] if len(shape) >= 2 else None
+        candidates = []
+        if self.vocab and classes:
+            x_shape = list(self.input)
+            x_shape.insert(self.batch_dim or 0, PROBE_BATCH)
+            candidates.append(("token ids shaped like the input", x_shape, self.batch_dim or 0,
+                               min(self.vocab, classes)))
+        if len(shape) in (2, 3):
+            target, high = shape[:-1], shape[-1]
+        elif len(shape) >= 4:  # [batch, classes, H, W, ...]: a class per position
+            target, high = [shape[0], *shape[2:]], shape[1]
+        else:
+            return candidates
+        at = [d for d in (self.batch_dim or 0, 0) if d < len(target)
+              and target[d] == PROBE_BATCH][:1]
+        if at and high > 1:
+            candidates.append((f"class ids < {high} shaped {target} at batch {PROBE_BATCH}",
+                               target, at[0], high))
+        return candidates
+
+    def _probe_own_loss(self, parameter, shape, where):
+        """Runs the forward with targets, as a loop that passes them does. The step trains
+        on the loss it returns with --loss own, or by default where the forward computes
+        more with targets than without (nanoGPT's computes the logits of the last position
+        only without them): the standard loss would size a smaller step than the user's."""
+        torch = self.torch
+        tried = []
+        for words, target, batch_at, high in self._target_candidates(shape):
+            own = {"parameter": parameter, "targets": words, "shape": target,
+                   "batch_at": batch_at, "high": high}
+            x = self.make_input(PROBE_BATCH)
+            try:
+                with torch.set_grad_enabled(True), self._autocast():
+                    out = self.model(x, **{parameter: self._targets(own, PROBE_BATCH)})
+            except Exception as err:
+                lines = str(err).strip().splitlines()
+                tried.append(f"{words}: {type(err).__name__}: {lines[0] if lines else ''}")
+                continue
+            found = _returned_loss(torch, out)
+            if found is None:
+                tried.append(f"{words}: no scalar loss in what it returned")
+                continue
+            trained, _ = _select_output(torch, out)
+            wanted = self.loss_requested == "own"
+            if not wanted and list(trained.shape) == shape:
+                return {}  # the same work with targets: the standard loss sizes it
+            self.own = own
+            reply = {"parameter": parameter, "targets": words, "returned": found[1],
+                     "reason": None if wanted else (
+                         f"without {parameter} its forward returns {where} "
+                         f"{shape}, not the {list(trained.shape)} it trains on "
+                         f"with them: --loss ce computes cross-entropy on that instead")}
+            return {"own_loss": reply, "shape": list(trained.shape),
+                    "dtype": str(trained.dtype).replace("torch.", ""), "heads": []}
+        if self.loss_requested == "own":
+            raise MaxBatchError(
+                f"--loss own: {self.name}(x, {parameter}=...) gave no loss ("
+                f"{'; '.join(tried) or 'no targets to try for this output'}): {STEP_HINT}")
+        return {}
+
+    def _targets(self, own, batch):
+        torch = self.torch
+        shape = list(own["shape"])
+        shape[own["batch_at"]] = batch
+        return torch.randint(0, own["high"], shape, device=self.device)
+
+    def _step_forward(self, x, batch):
+        """The step's forward: with targets where it trains on the model's own loss."""
+        if self.own is None:
+            return self.model(x)
+        return self.model(x, **{self.own["parameter"]: self._targets(self.own, batch)})
 
     def _watched_forward(self, also="", tokens_tried=False):
         """One forward of a batch of PROBE_BATCH in the step's mode, watched (`_Watch`).
@@ -791,7 +911,10 @@ class ModuleStep:
         return self.torch.autocast(self.device.type, dtype=self.amp)
 
     def _loss(self, out):
-        """The plan's loss on the selected output, summed over the heads shaped like it."""
+        """The plan's loss on the selected output, summed over the heads shaped like it; or
+        the loss the model returned."""
+        if self.own is not None:
+            return _returned_loss(self.torch, out)[0]
         tensor, _ = _select_output(self.torch, out)
         loss = self._loss_on(tensor)
         for _, head in _heads(self.torch, out, tensor):
@@ -837,7 +960,7 @@ class ModuleStep:
             else:
                 model.zero_grad(set_to_none=True)
             with self._autocast():
-                out = model(x)
+                out = self._step_forward(x, batch)
                 loss = self._loss(out)
             if scaler is not None:
                 scaler.scale(loss).backward()
@@ -854,12 +977,12 @@ class ModuleStep:
         """The steps of an optimizer that calls back for the loss (LBFGS), as its loops are
         written: `opt.step(closure)`, the closure running zero_grad, forward, loss and
         backward, perhaps several times a step; its output dies with each call."""
-        model, opt = self.model, self.optimizer
+        opt = self.optimizer
 
         def closure():
             opt.zero_grad(set_to_none=True)
             with self._autocast():
-                loss = self._loss(model(x))
+                loss = self._loss(self._step_forward(x, batch))
             loss.backward()
             return loss
 
