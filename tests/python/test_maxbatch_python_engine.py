@@ -626,6 +626,23 @@ def test_the_step_trains_on_the_loss_a_model_computes_from_its_targets(trials):
             logits = self.lm_head(x)
             return logits, F.cross_entropy(logits.view(-1, 30), targets.view(-1))
 
+    class LossAlone(torch.nn.Module):  # returns the loss itself when given targets
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 4)
+        def forward(self, x, target=None):
+            out = self.lin(x)
+            return out if target is None else F.cross_entropy(out, target)
+
+    ns = {"model": LossAlone()}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                              "input": [6]})
+    own = reply["output"]["own_loss"]
+    assert own["returned"] == "output" and own["targets"] == "class ids < 4 shaped [2] at batch 2"
+    assert own["reason"].startswith("given target, its forward returns the loss alone")
+    assert call(trials, ns, "trial", batch=5, steps=2)["result"] == "ran"
+    call(trials, ns, "close")
+
     for loss, logits in ((None, (5, 12, 30)), ("own", (5, 12, 30)), ("ce", (5, 1, 30))):
         model = Nano()
         ns = {"model": model}

@@ -490,9 +490,11 @@ def _select_output(torch, out):
 
 def _returned_loss(torch, out):
     """The scalar loss a model returned with its output (`(logits, loss)`, a Hugging Face
-    output's `.loss`): (tensor, how it was found), or None."""
+    output's `.loss`) or alone: (tensor, how it was found), or None."""
     def scalar(v):
         return torch.is_tensor(v) and v.dim() == 0 and v.is_floating_point()
+    if scalar(out):
+        return out, "output"
     if scalar(getattr(out, "loss", None)):
         return out.loss, "output.loss"
     return next(((v, where) for where, v in _output_items(out) if scalar(v)), None)
@@ -816,14 +818,21 @@ class ModuleStep:
                 continue
             trained, _ = _select_output(torch, out)
             wanted = self.loss_requested == "own"
-            if not wanted and list(trained.shape) == shape:
+            alone = found[1] == "output"  # what a loop given it can only train on
+            if not wanted and not alone and list(trained.shape) == shape:
                 return {}  # the same work with targets: the standard loss sizes it
             self.own = own
+            if wanted:
+                reason = None
+            elif alone:
+                reason = (f"given {parameter}, its forward returns the loss alone, which a "
+                          f"loop that passes them trains on")
+            else:
+                reason = (f"without {parameter} its forward returns {where} {shape}, not the "
+                          f"{list(trained.shape)} it trains on with them: --loss ce computes "
+                          f"cross-entropy on that instead")
             reply = {"parameter": parameter, "targets": words, "returned": found[1],
-                     "reason": None if wanted else (
-                         f"without {parameter} its forward returns {where} "
-                         f"{shape}, not the {list(trained.shape)} it trains on "
-                         f"with them: --loss ce computes cross-entropy on that instead")}
+                     "reason": reason}
             return {"own_loss": reply, "shape": list(trained.shape),
                     "dtype": str(trained.dtype).replace("torch.", ""), "heads": []}
         if self.loss_requested == "own":
