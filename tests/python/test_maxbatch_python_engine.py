@@ -329,11 +329,11 @@ def test_an_lbfgs_model_is_stepped_with_a_closure_and_its_history_put_back(noteb
     # nanoGPT without targets computes the logits of one position: a step on those would size
     # a far smaller step than its training loop's, which passes targets.
     ("%maxbatch nano --input 16", "loss the model's own: nano(x, targets=...) returns it at "
-     "output[1], targets token ids shaped like the input (without targets its forward returns "
+     "output[1], targets ids < 40 shaped like the input (without targets its forward returns "
      "output[0] [2, 1, 40], not the [2, 16, 40] it trains on with them: --loss ce computes "
      "cross-entropy on that instead)"),
     ("%maxbatch nano --input 16 --loss own", "loss the model's own: nano(x, targets=...) "
-     "returns it at output[1], targets token ids shaped like the input; "),
+     "returns it at output[1], targets ids < 40 shaped like the input; "),
     ("%maxbatch nano --input 16 --loss ce", "loss cross-entropy over the last dimension (40 "
      "classes); optimizer"),
     # The same logits with labels as without: the standard loss, and the way to the other.
@@ -341,7 +341,7 @@ def test_an_lbfgs_model_is_stepped_with_a_closure_and_its_history_put_back(noteb
      "(its forward also takes labels: if your loop passes them and trains on the loss it "
      "returns, --loss own sizes that loss, which can hold more)"),
     ("%maxbatch labelled --input 8 --loss own", "loss the model's own: labelled(x, labels=...) "
-     "returns it at output['loss'], labels class ids < 3 shaped [2] at batch 2; "),
+     "returns it at output['loss'], labels ids < 3 shaped [2] at batch 2; "),
 ])
 def test_a_model_that_computes_its_own_loss_is_trained_on_it(notebook, cell, loss):
     _, kc = notebook
@@ -638,7 +638,7 @@ def test_the_step_trains_on_the_loss_a_model_computes_from_its_targets(trials):
     reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
                                               "input": [6]})
     own = reply["output"]["own_loss"]
-    assert own["returned"] == "output" and own["targets"] == "class ids < 4 shaped [2] at batch 2"
+    assert own["returned"] == "output" and own["targets"] == "ids < 4 shaped [2] at batch 2"
     assert own["reason"].startswith("given target, its forward returns the loss alone")
     assert call(trials, ns, "trial", batch=5, steps=2)["result"] == "ran"
     call(trials, ns, "close")

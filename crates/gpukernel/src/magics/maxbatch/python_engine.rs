@@ -1116,13 +1116,13 @@ mod tests {
     fn the_models_own_loss_is_said_with_its_targets_and_why() {
         let own = OwnLoss {
             parameter: "targets".into(),
-            targets: "token ids shaped like the input".into(),
+            targets: "ids < 500 shaped like the input".into(),
             returned: "output[1]".into(),
             reason: Some("without targets its forward returns output[0] [2, 1, 500]".into()),
         };
         assert_eq!(
             own_loss_text("gpt", &own),
-            "the model's own: gpt(x, targets=...) returns it at output[1], targets token ids \
+            "the model's own: gpt(x, targets=...) returns it at output[1], targets ids < 500 \
              shaped like the input (without targets its forward returns output[0] [2, 1, 500])"
         );
     }

@@ -779,8 +779,9 @@ class ModuleStep:
         if self.vocab and classes:
             x_shape = list(self.input)
             x_shape.insert(self.batch_dim or 0, PROBE_BATCH)
-            candidates.append(("token ids shaped like the input", x_shape, self.batch_dim or 0,
-                               min(self.vocab, classes)))
+            high = min(self.vocab, classes)
+            candidates.append((f"ids < {high} shaped like the input", x_shape,
+                               self.batch_dim or 0, high))
         if len(shape) in (2, 3):
             target, high = shape[:-1], shape[-1]
         elif len(shape) >= 4:  # [batch, classes, H, W, ...]: a class per position
@@ -790,7 +791,7 @@ class ModuleStep:
         at = [d for d in (self.batch_dim or 0, 0) if d < len(target)
               and target[d] == PROBE_BATCH][:1]
         if at and high > 1:
-            candidates.append((f"class ids < {high} shaped {target} at batch {PROBE_BATCH}",
+            candidates.append((f"ids < {high} shaped {target} at batch {PROBE_BATCH}",
                                target, at[0], high))
         return candidates
 
