@@ -201,6 +201,20 @@ class LabelledClassifier(torch.nn.Module):
 
 nano, labelled = NanoGPT(), LabelledClassifier()
 
+# A ViT whose encoder layers keep PyTorch's default batch_first=False, fed (batch, patches,
+# dim): it trains, attending across the samples of each batch.
+class MixingViT(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, 16, 4, 4)
+        self.encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32),
+                                                   1, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(16, 10)
+    def forward(self, x):
+        return self.head(self.encoder(self.patch(x).flatten(2).transpose(1, 2)).mean(1))
+
+mixing_vit = MixingViT()
+
 def overstepped_schedule(batch):  # the user's line that makes torch raise
     one = torch.optim.lr_scheduler.OneCycleLR(
         torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), max_lr=0.1, total_steps=1)
@@ -368,6 +382,16 @@ def test_a_seq_first_model_is_fed_seq_first_and_the_report_says_so(notebook):
             "model's emb, an Embedding and the first layer the input reaches), output "
             "[12, 2, 40]") in text, text
     assert "one step of batch 2 ran on the cpu" in text, text
+    # A model that cannot take the batch on dim 1 is sized as its loop must feed it, batch
+    # first, and the user learns that the layer mixes the samples of a batch.
+    reply, outputs = execute(kc, "%maxbatch mixing_vit --input 3x8x8", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    text = " ".join(stream_text(outputs).split())
+    assert ("Note: mixing_vit.encoder.layers.0.self_attn (MultiheadAttention, batch_first=False) "
+            "takes (seq, batch, ...) and gets your batch as its sequence (with the batch on dim "
+            "1 of the input, mixing_vit fails), so it mixes the samples of a batch; sized "
+            "batch-first") in text, text
+    assert "input 3x8x8 per sample, output [2, 10]" in text, text
     # Said the other way, it is sized as said, batch first.
     reply, outputs = execute(kc, "%maxbatch seq_lm --input 12 --batch-dim 0", timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
@@ -606,6 +630,20 @@ def test_the_batch_goes_where_the_models_seq_first_layers_take_it(trials):
         assert seen == (5, 7, 6), type(model).__name__
         assert reply["describe"]["batch_dim"] == 0
         assert reply["describe"]["batch_dim_from"] is None
+        assert reply["describe"]["batch_warning"] is None
+
+    class Mixing(torch.nn.Module):  # reshapes its input batch-first: dim 1 cannot be the batch
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.GRU(6, 10)
+        def forward(self, x):
+            return self.rnn(x.reshape(x.shape[0], 7, 6))[0]
+
+    reply, seen = _seq_first_prepare(trials, Mixing(), input=[42])
+    assert seen == (5, 42) and reply["describe"]["batch_dim"] == 0
+    assert "model.rnn (GRU, batch_first=False) takes (seq, batch, ...) and gets your batch as " \
+        "its sequence (with the batch on dim 1 of the input, model fails)" in \
+        reply["describe"]["batch_warning"]
 
 
 def test_the_step_trains_on_the_loss_a_model_computes_from_its_targets(trials):

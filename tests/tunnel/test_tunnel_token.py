@@ -30,6 +30,17 @@ def parent(pid: int) -> int:
         return -1
 
 
+def has_tty(pid: int) -> bool:
+    """Whether the process has a controlling terminal (tty_nr in /proc/PID/stat): a
+    terminal's shell, which terminado starts on a pty, has one; a short-lived helper that
+    Jupyter runs beside it has none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[4]) != 0
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def token_hits(token: str) -> list[tuple[int, str, bytes]]:
     """(pid, where, command line) of every process holding the token in its
     environment or argv."""
@@ -66,10 +77,11 @@ def test_the_token_is_in_no_environment_and_no_command_line(
     term = r.json()["name"]
 
     def terminal_pids():
-        # The terminal's shell is Jupyter's child (terminado forks it); its own short-lived
-        # children (a bashrc's commands) come and go, so they are not what is checked below.
+        # The terminal's shell is Jupyter's child on a pty (terminado forks it); its own
+        # short-lived children (a bashrc's commands) and helpers Jupyter runs without a pty
+        # come and go, so they are not what is checked below.
         return [p for p in set(processes_of_runtime_dir(rt)) - before
-                if parent(p) == jupyter_pid and p not in kernel_pids(rt)]
+                if parent(p) == jupyter_pid and p not in kernel_pids(rt) and has_tty(p)]
     assert wait_until(terminal_pids, 30), "no terminal process"
     kernels, terminals = kernel_pids(rt), terminal_pids()
 

@@ -84,6 +84,9 @@ struct Described {
     batch_dim: usize,
     #[serde(default)]
     batch_dim_from: Option<String>,
+    /// A seq-first layer that gets the batch as its sequence however it is fed.
+    #[serde(default)]
+    batch_warning: Option<String>,
     #[serde(default)]
     input_dtype: Option<String>,
     /// The dtype of the module's floating-point weights: the step's precision without autocast.
@@ -906,9 +909,16 @@ fn validate_without_gpu(
     };
     session.close();
     let a = check.assumptions;
+    // A model that mixes the samples of a batch is worth knowing before any GPU is found.
+    let warning = prepared
+        .describe
+        .batch_warning
+        .as_ref()
+        .map(|w| format!("Note: {w}.\n"))
+        .unwrap_or_default();
     let text = format!(
         "No CUDA GPU is visible to torch in your Python kernel ({}), so there is no GPU memory \
-         to size against.\nChecked the step instead: {said}; {}.\n{}\
+         to size against.\nChecked the step instead: {said}; {}.\n{}{warning}\
          Run %maxbatch where the notebook has a GPU for the search.\n",
         prepared.describe.torch,
         state_back(check.step_fn),
@@ -1086,6 +1096,9 @@ fn notes(prepared: &Prepared) -> Vec<String> {
             human_bytes(d.fixed_bytes)
         ));
     }
+    if let Some(warning) = &d.batch_warning {
+        notes.push(warning.clone());
+    }
     if let Some(p) = d.parameters {
         notes.push(format!("{p} parameters on {}", d.device));
     }
@@ -1205,6 +1218,14 @@ mod tests {
         );
         let none = notes(&prepared(r#"["cuda:0"]"#, 0));
         assert!(!none.iter().any(|n| n.contains("not copied")), "{none:?}");
+    }
+
+    #[test]
+    fn a_layer_that_mixes_the_samples_of_a_batch_is_a_note() {
+        let mut p = prepared(r#"["cuda:0"]"#, 0);
+        assert!(!notes(&p).iter().any(|n| n.contains("attends across")));
+        p.describe.batch_warning = Some("vit.encoder (...) attends across the samples".into());
+        assert!(notes(&p).contains(&"vit.encoder (...) attends across the samples".to_string()));
     }
 
     #[test]

@@ -612,6 +612,7 @@ class ModuleStep:
         # seq-first layers (0 unless one takes (seq, batch, ...)).
         self.batch_dim = spec.get("batch_dim")
         self.batch_dim_from = None
+        self.batch_warning = None  # a seq-first layer that gets the batch as its sequence
         if self.batch_dim is not None and not 0 <= self.batch_dim <= len(self.input):
             raise MaxBatchError(f"--batch-dim {self.batch_dim} is not a dimension of a batch of "
                                 f"--input {'x'.join(map(str, self.input))}: it goes from 0 to "
@@ -729,16 +730,8 @@ class ModuleStep:
             self.batch_dim = 0
             misplaced = watch.batch_on_sequence()
             if misplaced:
-                # Such a layer takes (seq, batch, ...), as the loops written for it feed it.
-                self.batch_dim, self.batch_dim_from = 1, misplaced[0]
                 out = watch = None
-                out, watch = self._watched_forward(also=f" (the batch on dim 1, as "
-                                                   f"{misplaced[0]} takes it)")
-                if watch.batch_on_sequence():
-                    raise MaxBatchError(
-                        f"{misplaced[0]} takes (seq, batch, ...) and got the batch as its "
-                        f"sequence with the batch on dim 0 or 1 of the input alike: say where "
-                        f"your loop puts it with --batch-dim N, or {STEP_HINT}")
+                out = self._batch_on_dim_1(misplaced[0])
         tensor, where = _select_output(torch, out)
         heads = [] if self.inference else [w for w, _ in _heads(torch, out, tensor)]
         parameter = None if self.inference else self._targets_parameter()
@@ -854,10 +847,35 @@ class ModuleStep:
             return self.model(x)
         return self.model(x, **{self.own["parameter"]: self._targets(self.own, batch)})
 
-    def _watched_forward(self, also="", tokens_tried=False):
+    def _batch_on_dim_1(self, layer):
+        """The probe's output with the batch on dim 1 of the input, where `layer` takes it
+        ((seq, batch, ...), as the loops written for such a layer feed it). A model that
+        fails so, or still hands the layer the batch as its sequence, is fed batch-first, as
+        its own loop must feed it, and the report warns that the layer attends across the
+        samples of a batch (nn.TransformerEncoderLayer's default, batch_first=False, under a
+        model built for (batch, seq, ...) is a common slip)."""
+        self.batch_dim, self.batch_dim_from = 1, layer
+        try:
+            out, watch = self._watched_forward()
+            if not watch.batch_on_sequence():
+                return out
+            how = "still gets it so"
+        except MaxBatchError:
+            how = "fails"
+        out = watch = None
+        self.batch_dim, self.batch_dim_from = 0, None
+        self.batch_warning = (
+            f"{layer} takes (seq, batch, ...) and gets your batch as its sequence (with the "
+            f"batch on dim 1 of the input, {self.name} {how}), so it mixes the samples of a "
+            f"batch; sized batch-first, as your loop must feed it: if the mixing is not meant, "
+            f"build that layer with batch_first=True")
+        out, _ = self._watched_forward()
+        return out
+
+    def _watched_forward(self, tokens_tried=False):
         """One forward of a batch of PROBE_BATCH in the step's mode, watched (`_Watch`).
         Floats that fail in an Embedding the input reaches first are tried once as token
-        ids. `also`: what an error message adds about the input."""
+        ids."""
         torch = self.torch
         x = self.make_input(PROBE_BATCH)
         watch = _Watch(torch, self.model, self.name, x, leaves=False)
@@ -876,8 +894,8 @@ class ModuleStep:
                 self.vocab = first.num_embeddings
                 self.vocab_from = (f"{rel}, an {type(first).__name__} and the first layer the "
                                    "input reaches")
-                return self._watched_forward(also, tokens_tried=True)
-        raise self._forward_failed(tuple(x.shape), failure, also)
+                return self._watched_forward(tokens_tried=True)
+        raise self._forward_failed(tuple(x.shape), failure)
 
     def _forward(self, x, watch):
         """(the output, None), or (None, the failure's text): only the text is kept, since
@@ -901,7 +919,7 @@ class ModuleStep:
             lines = str(err).strip().splitlines()
             return None, f"{type(err).__name__}: {lines[0] if lines else ''}"
 
-    def _forward_failed(self, shape, failure, also):
+    def _forward_failed(self, shape, failure):
         needed = self._required_arguments()
         if len(needed) > 1:
             return MaxBatchError(
@@ -911,7 +929,7 @@ class ModuleStep:
         check = ("--input (the shape of one sample) and --vocab" if self.vocab else
                  "--input (the shape of one sample; --vocab N for token ids)")
         return MaxBatchError(
-            f"{self.name}(x) failed for x of shape {shape} ({what}{also}): {failure}; "
+            f"{self.name}(x) failed for x of shape {shape} ({what}): {failure}; "
             f"check {check}, or if it takes more than one input: {STEP_HINT}")
 
     def _autocast(self):
@@ -1029,6 +1047,7 @@ class ModuleStep:
         return {"optimizer": self.optimizer_name + self._optimizer_note(),
                 "vocab": self.vocab, "vocab_from": self.vocab_from,
                 "batch_dim": self.batch_dim or 0, "batch_dim_from": self.batch_dim_from,
+                "batch_warning": self.batch_warning,
                 "weights_dtype": str(self.dtype).replace("torch.", ""),
                 "input_dtype": "int64 token ids" if self.vocab else
                 str(self.dtype).replace("torch.", ""),
