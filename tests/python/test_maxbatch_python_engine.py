@@ -704,8 +704,9 @@ def test_the_step_trains_on_the_loss_a_model_computes_from_its_targets(trials):
 
 
 def test_a_compiled_model_is_not_recompiled_to_watch_its_layers(trials):
-    """Hooks on a torch.compile'd model's layers make dynamo trace it again (minutes for a
-    large model): the probe watches the eager module it wraps, which has the same shapes."""
+    """Hooks on a torch.compile'd model's layers, and arguments it was not called with (its
+    labels), make dynamo trace it again (minutes for a large model): the probe runs it
+    eagerly, with the same shapes."""
     import torch
 
     compiles = []
@@ -729,13 +730,27 @@ def test_a_compiled_model_is_not_recompiled_to_watch_its_layers(trials):
         def forward(self, x):
             return self.head(self.encoder(x))
 
-    for model in (torch.compile(SeqFirst(), backend=backend), CompiledInside()):
-        model(torch.randn(7, 2, 6))  # the user's loop ran it
+    class Labelled(torch.nn.Module):  # the probe also calls it with labels
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 4)
+        def forward(self, x, labels=None):
+            logits = self.lin(x)
+            return logits, (None if labels is None else
+                            torch.nn.functional.cross_entropy(logits.flatten(0, -2),
+                                                              labels.flatten()))
+
+    for model in (torch.compile(SeqFirst(), backend=backend), CompiledInside(),
+                  torch.compile(Labelled(), backend=backend)):
+        seq_first = not isinstance(getattr(model, "_orig_mod", model), Labelled)
+        model(torch.randn(7, 2, 6) if seq_first else torch.randn(2, 7, 6))  # the user's loop
         compiled = len(compiles)
         ns = {"model": model}
         reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
                                                   "input": [7, 6]})
-        assert reply["describe"]["batch_dim"] == 1, reply
+        assert reply["describe"]["batch_dim"] == (1 if seq_first else 0), reply
+        # The compiled model's own forward is read, not its wrapper's (*args, **kwargs).
+        assert reply["output"]["targets_parameter"] == (None if seq_first else "labels")
         assert len(compiles) == compiled, "the probe compiled the model again"
         call(trials, ns, "close")
     assert compiles, "dynamo compiled nothing: the test would prove nothing"

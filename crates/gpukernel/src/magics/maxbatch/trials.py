@@ -663,9 +663,8 @@ class ModuleStep:
         """The forward's arguments without a default, as its signature reads (a decorator or
         a pre-hook may supply some: read only to explain a forward that failed)."""
         import inspect
-        try:
-            signature = inspect.signature(self.model.forward)
-        except (TypeError, ValueError):  # a builtin or C++ forward: nothing to read
+        signature = self._forward_signature()
+        if signature is None:
             return []
         kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                  inspect.Parameter.KEYWORD_ONLY)
@@ -750,12 +749,21 @@ class ModuleStep:
                 f"{STEP_HINT}")
         return reply
 
+    def _forward_signature(self):
+        """The forward's signature: the model's own under torch.compile (whose wrapper takes
+        *args, **kwargs); None for a builtin or C++ forward, which has nothing to read."""
+        import inspect
+        model = getattr(self.model, "_orig_mod", self.model)
+        try:
+            return inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            return None
+
     def _targets_parameter(self):
         """The forward's optional argument for training targets, if it has one."""
         import inspect
-        try:
-            signature = inspect.signature(self.model.forward)
-        except (TypeError, ValueError):
+        signature = self._forward_signature()
+        if signature is None:
             return None
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         return next((p.name for p in signature.parameters.values()
@@ -799,12 +807,9 @@ class ModuleStep:
             own = {"parameter": parameter, "targets": words, "shape": target,
                    "batch_at": batch_at, "high": high}
             x = self.make_input(PROBE_BATCH)
-            try:
-                with torch.set_grad_enabled(True), self._autocast():
-                    out = self.model(x, **{parameter: self._targets(own, PROBE_BATCH)})
-            except Exception as err:
-                lines = str(err).strip().splitlines()
-                tried.append(f"{words}: {type(err).__name__}: {lines[0] if lines else ''}")
+            out, failure = self._forward(x, None, {parameter: self._targets(own, PROBE_BATCH)})
+            if failure is not None:
+                tried.append(f"{words}: {failure}")
                 continue
             found = _returned_loss(torch, out)
             if found is None:
@@ -897,24 +902,28 @@ class ModuleStep:
                 return self._watched_forward(tokens_tried=True)
         raise self._forward_failed(tuple(x.shape), failure)
 
-    def _forward(self, x, watch):
+    def _forward(self, x, watch, targets=None):
         """(the output, None), or (None, the failure's text): only the text is kept, since
-        the exception's frames hold the forward's tensors."""
+        the exception's frames hold the forward's tensors. `targets`: keyword arguments for
+        the forward (its targets), which ask for a training forward."""
         import contextlib
         torch, model = self.torch, self.model
         eager = contextlib.nullcontext()
-        if watch.hooked:
+        if targets or (watch is not None and watch.hooked):
             # Hooks inside a torch.compile'd model or submodule make dynamo trace it again
-            # (minutes for a large model; and it cannot import this private module): the probe
-            # runs it eagerly, with the same shapes.
+            # (minutes for a large model; and it cannot import this private module), as do
+            # arguments it has not been called with: the probe runs it eagerly, with the same
+            # shapes.
             stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
             if stance is not None:
                 eager = stance("force_eager")
             elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
                 model = model._orig_mod
+        watching = watch if watch is not None else contextlib.nullcontext()
+        grad = bool(targets) or not self.inference
         try:
-            with eager, watch, torch.set_grad_enabled(not self.inference), self._autocast():
-                return model(x), None
+            with eager, watching, torch.set_grad_enabled(grad), self._autocast():
+                return model(x, **(targets or {})), None
         except Exception as err:
             lines = str(err).strip().splitlines()
             return None, f"{type(err).__name__}: {lines[0] if lines else ''}"
