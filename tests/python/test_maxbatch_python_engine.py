@@ -743,7 +743,7 @@ def test_a_compiled_model_is_not_recompiled_to_watch_its_layers(trials):
     for model in (torch.compile(SeqFirst(), backend=backend), CompiledInside(),
                   torch.compile(Labelled(), backend=backend)):
         seq_first = not isinstance(getattr(model, "_orig_mod", model), Labelled)
-        model(torch.randn(7, 2, 6) if seq_first else torch.randn(2, 7, 6))  # the user's loop
+        model(torch.randn(7, 2, 6) if seq_first else torch.randn(3, 7, 6))  # the user's loop
         compiled = len(compiles)
         ns = {"model": model}
         reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",

@@ -909,11 +909,12 @@ class ModuleStep:
         import contextlib
         torch, model = self.torch, self.model
         eager = contextlib.nullcontext()
-        if targets or (watch is not None and watch.hooked):
+        if targets or (watch is not None and watch.hooked) or self._targets_parameter():
             # Hooks inside a torch.compile'd model or submodule make dynamo trace it again
             # (minutes for a large model; and it cannot import this private module), as do
-            # arguments it has not been called with: the probe runs it eagerly, with the same
-            # shapes.
+            # arguments it has not been called with; and a forward that takes targets may be
+            # stepped with them, so its graph without them would be compiled for nothing: the
+            # probe runs it eagerly, with the same shapes.
             stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
             if stance is not None:
                 eager = stance("force_eager")
