@@ -183,6 +183,36 @@ def test_the_export_file_is_private(tmp_path, monkeypatch):
     assert torch.jit.load(str(path))(torch.ones(1, 4)).shape == (1, 2)
 
 
+def test_the_export_names_what_the_libtorch_engine_feeds_differently(tmp_path, monkeypatch):
+    """The engine calls a module with one batch-first tensor: the export names the layers
+    that take (seq, batch, ...) and a forward's targets argument, for the report's notes."""
+    import torch
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(20, 8)
+            self.attn = torch.nn.MultiheadAttention(8, 2)  # batch_first=False
+            self.head = torch.nn.Linear(8, 20)
+        def forward(self, idx, targets=None):
+            x = self.emb(idx)
+            return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+    spec = importlib.util.spec_from_file_location("export_module", EXPORT_MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    result = module.export({"lm": LM()}, "lm", [5], None)
+    # torch 2.11 scripts it but cannot save the script ("strides() called on an undefined
+    # Tensor" in MultiheadAttention): it is traced instead.
+    assert result["method"] == "trace"
+    assert result["seq_first"] == ["lm.attn"]
+    assert result["targets_parameter"] == "targets"
+    result = module.export({"m": torch.nn.Linear(4, 2)}, "m", None, None)
+    assert result["seq_first"] == [] and result["targets_parameter"] is None
+
+
 def test_the_export_names_the_allocator_budget_of_its_kernel():
     """What the libtorch engine sizes a notebook module against: the kernel allocator's
     free + reserved bytes, within its memory fraction (a stand-in for torch.cuda here: this

@@ -18,6 +18,9 @@ pub(super) struct ExportedModule {
     /// The token ids' range: `--vocab`, else the first layer's Embedding.
     #[serde(default)]
     pub vocab: Option<i64>,
+    /// The forward's optional targets argument, which this engine does not pass.
+    #[serde(default)]
+    pub targets_parameter: Option<String>,
     /// The module's layers that take (seq, batch, ...) (`batch_first=False`).
     #[serde(default)]
     pub seq_first: Vec<String>,

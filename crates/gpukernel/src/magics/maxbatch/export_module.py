@@ -30,21 +30,38 @@ def export(user_ns, name, shape, vocab, train=True):
     try:
         try:
             module, method = torch.jit.script(obj), "script"
+            # Saving can fail where scripting passed (a scripted MultiheadAttention: "strides()
+            # called on an undefined Tensor", torch 2.11): tracing saves it.
+            module.save(path)
         except Exception as err:  # TorchScript rejects much of Python: fall back to tracing
             if shape is None:
                 first = str(err).strip().splitlines()[:1]
                 raise ValueError(
-                    f"torch.jit.script cannot compile {name} ({type(err).__name__}: "
+                    f"torch.jit.script cannot compile or save {name} ({type(err).__name__}: "
                     f"{first[0] if first else ''}); pass --input SHAPE so it can be traced "
                     "instead") from None
             module, method = _trace(torch, obj, shape, vocab, train), "trace"
-        module.save(path)
+            module.save(path)
     except BaseException:
         os.unlink(path)
         raise
     return {"path": path, "method": method, "training": obj.training, "vocab": vocab,
             "parameters": sum(p.numel() for p in obj.parameters()),
-            "seq_first": _seq_first(obj, name), **_held(torch, obj)}
+            "seq_first": _seq_first(obj, name), "targets_parameter": _targets_parameter(obj),
+            **_held(torch, obj)}
+
+
+def _targets_parameter(module):
+    """The forward's optional targets argument (nanoGPT's `targets`, Hugging Face's
+    `labels`), as the python engine looks for it: this engine calls the forward without."""
+    import inspect
+    try:
+        signature = inspect.signature(getattr(module, "_orig_mod", module).forward)
+    except (TypeError, ValueError):
+        return None
+    return next((p.name for p in signature.parameters.values()
+                 if p.name in ("targets", "labels", "target")
+                 and p.default is not inspect.Parameter.empty), None)
 
 
 def _seq_first(module, name):

@@ -309,6 +309,19 @@ fn seq_first_note(module: &ExportedModule) -> Option<String> {
     ))
 }
 
+/// How this engine's call of the module can differ from the user's loop's: the batch first
+/// into seq-first layers, and no targets for a forward that takes them.
+fn input_notes(name: &str, module: &ExportedModule) -> Vec<String> {
+    let targets = module.targets_parameter.as_deref().map(|p| {
+        format!(
+            "{name}.forward takes {p}, and this engine calls it without: a model that computes \
+             less without them (nanoGPT's logits for the last position only) is sized on that; \
+             the python engine passes them where the forward computes more with them"
+        )
+    });
+    seq_first_note(module).into_iter().chain(targets).collect()
+}
+
 fn findings(
     args: &Args,
     name: &str,
@@ -320,8 +333,8 @@ fn findings(
     if let Some(note) = exported.and_then(|e| unseen_memory_note(&e.module, &report.search)) {
         notes.push(note);
     }
-    if let Some(note) = exported.and_then(|e| seq_first_note(&e.module)) {
-        notes.push(note);
+    if let Some(e) = exported {
+        notes.extend(input_notes(name, &e.module));
     }
     if exported.is_some() {
         notes.push(
@@ -482,6 +495,15 @@ mod tests {
             "{note}"
         );
         assert!(note.contains("without --engine libtorch"), "{note}");
+        exported.targets_parameter = Some("targets".into());
+        let notes = input_notes("lm", &exported);
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(
+            notes[1].starts_with("lm.forward takes targets, and this engine calls it without"),
+            "{notes:?}"
+        );
+        exported.seq_first.clear();
+        assert_eq!(input_notes("lm", &exported).len(), 1);
     }
 
     #[test]
