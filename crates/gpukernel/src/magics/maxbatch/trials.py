@@ -21,7 +21,10 @@ A trial is one of:
 - ``module``: a standard step built from the module, shaped like the usual training loop:
   ``zero_grad(set_to_none=True)``; forward (under ``torch.autocast`` with ``amp``); the loss;
   backward (through a ``GradScaler`` for fp16); the optimizer step. As in a ``for`` loop, the
-  previous step's output is still alive while the next forward runs.
+  previous step's output is still alive while the next forward runs. The probe's forward
+  (``probe_output``) reads from the model what its loop feeds it: token ids for an Embedding
+  the input reaches first, the batch on dim 1 for a seq-first layer, and targets for a
+  forward that computes more with them (nanoGPT), whose own loss the step then trains on.
 
 A trial runs up to ``steps`` steps, and ends sooner, far below the limit, at the first step
 (from the second on) that leaves memory as the step before left it (``_run_steps``).
