@@ -257,6 +257,13 @@ def notebook():
         yield km, kc
 
 
+def report_of(kc, cell):
+    """The report of a %maxbatch cell that succeeded, its lines joined by single spaces."""
+    reply, outputs = execute(kc, cell, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    return " ".join(stream_text(outputs).split())
+
+
 def assert_untouched(kc):
     _, outputs = execute(kc, UNCHANGED, timeout=60)
     assert stream_text(outputs).strip() == "True True []", outputs
@@ -359,9 +366,7 @@ def test_an_lbfgs_model_is_stepped_with_a_closure_and_its_history_put_back(noteb
 ])
 def test_a_model_that_computes_its_own_loss_is_trained_on_it(notebook, cell, loss):
     _, kc = notebook
-    reply, outputs = execute(kc, cell, timeout=120)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    text = " ".join(stream_text(outputs).split())
+    text = report_of(kc, cell)
     assert loss in text, text
     assert "one step of batch 2 ran on the cpu" in text, text
     assert_untouched(kc)
@@ -373,9 +378,7 @@ def test_a_seq_first_model_is_fed_seq_first_and_the_report_says_so(notebook):
     encoder takes it (fed batch-first, the encoder would attend across the batch and the
     search would size another model)."""
     _, kc = notebook
-    reply, outputs = execute(kc, "%maxbatch seq_lm --input 12", timeout=120)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    text = " ".join(stream_text(outputs).split())
+    text = report_of(kc, "%maxbatch seq_lm --input 12")
     assert ("input 12 per sample, the batch on dim 1 of the input, as "
             "seq_lm.encoder.layers.0.self_attn (MultiheadAttention, batch_first=False) takes it "
             "(--batch-dim 0 if your loop feeds the batch first), token ids < 40 (from the "
@@ -384,18 +387,14 @@ def test_a_seq_first_model_is_fed_seq_first_and_the_report_says_so(notebook):
     assert "one step of batch 2 ran on the cpu" in text, text
     # A model that cannot take the batch on dim 1 is sized as its loop must feed it, batch
     # first, and the user learns that the layer mixes the samples of a batch.
-    reply, outputs = execute(kc, "%maxbatch mixing_vit --input 3x8x8", timeout=120)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    text = " ".join(stream_text(outputs).split())
+    text = report_of(kc, "%maxbatch mixing_vit --input 3x8x8")
     assert ("Note: mixing_vit.encoder.layers.0.self_attn (MultiheadAttention, batch_first=False) "
             "takes (seq, batch, ...) and gets your batch as its sequence (with the batch on dim "
             "1 of the input, mixing_vit fails), so it mixes the samples of a batch; sized "
             "batch-first") in text, text
     assert "input 3x8x8 per sample, output [2, 10]" in text, text
     # Said the other way, it is sized as said, batch first.
-    reply, outputs = execute(kc, "%maxbatch seq_lm --input 12 --batch-dim 0", timeout=120)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    text = " ".join(stream_text(outputs).split())
+    text = report_of(kc, "%maxbatch seq_lm --input 12 --batch-dim 0")
     assert "input 12 per sample, token ids < 40" in text and "output [2, 12, 40]" in text, text
     assert_untouched(kc)
 
