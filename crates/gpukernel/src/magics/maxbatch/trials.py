@@ -525,7 +525,7 @@ class _Watch:
     where nothing is asked (hooks make torch.compile recompile)."""
 
     def __init__(self, torch, model, name, x, leaves):
-        self.torch, self.model, self.name, self.x = torch, model, name, x
+        self.torch, self.name, self.x = torch, name, x
         self.first_layer = None  # (its dotted name within the model, the module)
         self.seq_first = []  # (description, the dimension the batch was found on)
         self._watched = []
@@ -637,6 +637,8 @@ class ModuleStep:
         # The model's own loss, when the step trains on it: the forward's targets argument
         # and how its targets are made (`_targets`).
         self.own = None
+        # Read once: every probe forward asks (a compiled model is probed eagerly with one).
+        self.targets_parameter = self._targets_parameter()
         self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
             user_ns, spec, found)
         mine = [self.optimizer] if self.optimizer is not None else []
@@ -736,7 +738,7 @@ class ModuleStep:
                 out = self._batch_on_dim_1(misplaced[0])
         tensor, where = _select_output(torch, out)
         heads = [] if self.inference else [w for w, _ in _heads(torch, out, tensor)]
-        parameter = None if self.inference else self._targets_parameter()
+        parameter = None if self.inference else self.targets_parameter
         reply = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
                  "selected": where, "heads": heads, "targets_parameter": parameter}
         if parameter is not None and self.loss_requested in (None, "own"):
@@ -912,7 +914,7 @@ class ModuleStep:
         import contextlib
         torch, model = self.torch, self.model
         eager = contextlib.nullcontext()
-        if targets or (watch is not None and watch.hooked) or self._targets_parameter():
+        if targets or (watch is not None and watch.hooked) or self.targets_parameter:
             # Hooks inside a torch.compile'd model or submodule make dynamo trace it again
             # (minutes for a large model; and it cannot import this private module), as do
             # arguments it has not been called with; and a forward that takes targets may be
