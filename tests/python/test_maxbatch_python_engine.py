@@ -140,6 +140,27 @@ class TwoInputs(torch.nn.Module):  # a forward that needs a mask as well
         return self.lin(x * mask)
 
 tagger = torch.nn.Conv1d(3, 5, 1)  # [batch, 5 classes, length]
+class Detector(torch.nn.Module):  # as torchvision's detection models: targets to train
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+    def forward(self, images, targets=None):
+        if self.training and targets is None:
+            raise AssertionError("targets should not be none when in training mode")
+        return {"loss_box": self.conv(images).mean()}
+detector = Detector()
+# A denoiser: an RGB image in, one out; its 3 channels are not 3 classes.
+class Vae(torch.nn.Module):  # as PyTorch's examples/vae: the image back flattened, mu, logvar
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = torch.nn.Linear(192, 8), torch.nn.Linear(4, 192)
+    def forward(self, x):
+        mu, logvar = self.enc(x.flatten(1)).chunk(2, -1)
+        z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
+        return torch.sigmoid(self.dec(z)), mu, logvar
+vae = Vae()
+denoiser = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                               torch.nn.Conv2d(8, 3, 3, padding=1))
 lazy = torch.nn.LazyLinear(2)
 scripted = torch.jit.script(torch.nn.Linear(8, 2))  # TorchScript keeps its state in C++
 frozen = torch.nn.Linear(8, 2).requires_grad_(False)
@@ -424,6 +445,15 @@ def test_a_seq_first_model_is_fed_seq_first_and_the_report_says_so(notebook):
                                        "the classes ([batch, classes, length], as a 1-d "
                                        "convolution gives), say --target-classes 5)"),
     ("%maxbatch tagger --input 3x100 --target-classes 5", "cross-entropy over dimension 1 (5"),
+    # An output shaped like its float input is a reconstruction, on either engine.
+    ("%maxbatch denoiser --input 3x8x8", "mean squared error against a random target (the "
+     "output holds as many values as the input, as an autoencoder's or a denoiser's does; if "
+     "they are class scores, say --loss ce)"),
+    # A VAE's reconstruction comes flattened: [2, 192] of [2, 3, 8, 8], not 192 classes.
+    ("%maxbatch vae --input 3x8x8", "mean squared error against a random target (the output"),
+    ("%maxbatch vae --input 3x8x8 --engine libtorch", "loss mean squared error"),
+    ("%maxbatch denoiser --input 3x8x8 --engine libtorch", "loss mean squared error"),
+    ("%maxbatch denoiser --input 3x8x8 --loss ce", "cross-entropy over dimension 1 (3 classes"),
 ])
 def test_the_loss_is_inferred_from_the_output_and_stated(notebook, cell, loss):
     _, kc = notebook
@@ -521,6 +551,10 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
                                                                        "the batch first"),
     ("%maxbatch regress --input 5", "check --input (the shape of one sample; --vocab N for "
                                       "token ids), or if it takes more than one input"),
+    ("%maxbatch detector --input 3x8x8", "targets should not be none when in training mode; "
+                                         "detector.forward also takes targets: if it needs "
+                                         "them to train (a detection model does), %maxbatch "
+                                         "MODULE cannot make them for you: write a function"),
     # Where the user's line is, not torch's frame that raised.
     ("%maxbatch --step overstepped_schedule", "in overstepped_schedule"),
 ])

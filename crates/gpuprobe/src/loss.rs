@@ -96,6 +96,9 @@ pub enum LossError {
 ///
 /// - `requested` (`--loss`) wins; `None` infers: cross-entropy when the output looks like class
 ///   scores, else mean squared error.
+/// - An output that holds a float input again, sample for sample (`like_input`: its shape, or
+///   flattened) is a reconstruction: an autoencoder's, a denoiser's, a diffusion model's noise. Its loss is mean squared error,
+///   though `[batch, 3, H, W]` would also read as three classes per pixel.
 /// - Class scores: the last dimension when it is `target_classes` or `vocab`, or the output is
 ///   `[batch, classes]` / `[batch, seq, classes]`; dimension 1 of `[batch, C, H, W, ...]` (a
 ///   segmentation map) when C > 1. A last dimension of 1 is a regression.
@@ -104,10 +107,12 @@ pub fn plan(
     requested: Option<LossKind>,
     target_classes: Option<i64>,
     vocab: Option<i64>,
+    like_input: bool,
 ) -> Result<LossPlan, LossError> {
     match requested {
         Some(LossKind::Mse) => return Ok(LossPlan::Mse),
         Some(LossKind::Mean) => return Ok(LossPlan::Mean),
+        None if like_input && target_classes.is_none() => return Ok(LossPlan::Mse),
         _ => {}
     }
     let no_classes = || LossError::NoClasses {
@@ -160,9 +165,18 @@ pub fn plan(
 /// What to say when [`plan`] had to choose between two readings of the output on its own (no
 /// `--loss`, `--target-classes` or vocabulary to go by): a `[batch, x, y]` output is taken as
 /// `x` positions of `y` classes, a sequence model's; a 1-d convolution gives `[batch, classes,
-/// length]` instead.
-pub fn alternative(shape: &[i64], plan: &LossPlan, vocab: Option<i64>) -> Option<String> {
+/// length]` instead. An output shaped like the input was taken as a reconstruction; a
+/// segmentation net with as many classes as input channels gives that shape too.
+pub fn alternative(
+    shape: &[i64],
+    plan: &LossPlan,
+    vocab: Option<i64>,
+    like_input: bool,
+) -> Option<String> {
     match (shape, plan) {
+        (_, LossPlan::Mse) if like_input && shape.len() >= 2 => Some(
+            "the output holds as many values as the input, as an autoencoder's or a denoiser's does; if they are class scores, say --loss ce".into(),
+        ),
         // Where x == y, --target-classes x reads the last dimension again: no flag to offer.
         ([_, x, y], LossPlan::Ce { class_dim: -1, .. }) if vocab != Some(*y) && *x > 1 && x != y => Some(
             format!("if dimension 1 holds the classes ([batch, classes, length], as a 1-d convolution gives), say --target-classes {x}"),
@@ -181,60 +195,99 @@ mod tests {
 
     #[test]
     fn class_scores_get_cross_entropy() {
-        assert_eq!(plan(&[2, 1000], None, None, None), Ok(ce(1000, -1)));
+        assert_eq!(plan(&[2, 1000], None, None, None, false), Ok(ce(1000, -1)));
         // A language model: [batch, seq, vocab].
         assert_eq!(
-            plan(&[2, 512, 32000], None, None, Some(32000)),
+            plan(&[2, 512, 32000], None, None, Some(32000), false),
             Ok(ce(32000, -1))
         );
-        assert_eq!(plan(&[2, 512, 32000], None, None, None), Ok(ce(32000, -1)));
+        assert_eq!(
+            plan(&[2, 512, 32000], None, None, None, false),
+            Ok(ce(32000, -1))
+        );
         // A segmentation map: [batch, classes, H, W].
-        assert_eq!(plan(&[2, 21, 128, 128], None, None, None), Ok(ce(21, 1)));
+        assert_eq!(
+            plan(&[2, 21, 128, 128], None, None, None, false),
+            Ok(ce(21, 1))
+        );
     }
 
     #[test]
     fn regressions_get_mse_and_scalars_the_mean() {
-        assert_eq!(plan(&[2, 1], None, None, None), Ok(LossPlan::Mse));
-        assert_eq!(plan(&[2, 1, 64, 64], None, None, None), Ok(LossPlan::Mse));
-        assert_eq!(plan(&[2], None, None, None), Ok(LossPlan::Mse));
-        assert_eq!(plan(&[], None, None, None), Ok(LossPlan::Mean));
+        assert_eq!(plan(&[2, 1], None, None, None, false), Ok(LossPlan::Mse));
+        assert_eq!(
+            plan(&[2, 1, 64, 64], None, None, None, false),
+            Ok(LossPlan::Mse)
+        );
+        assert_eq!(plan(&[2], None, None, None, false), Ok(LossPlan::Mse));
+        assert_eq!(plan(&[], None, None, None, false), Ok(LossPlan::Mean));
     }
 
     #[test]
     fn the_user_decides_first() {
         assert_eq!(
-            plan(&[2, 1000], Some(LossKind::Mean), None, None),
+            plan(&[2, 1000], Some(LossKind::Mean), None, None, false),
             Ok(LossPlan::Mean)
         );
         assert_eq!(
-            plan(&[2, 1000], Some(LossKind::Mse), None, None),
+            plan(&[2, 1000], Some(LossKind::Mse), None, None, false),
             Ok(LossPlan::Mse)
         );
         // Target classes pick the dimension: here the last, not dimension 1.
-        assert_eq!(plan(&[2, 10, 10], None, Some(10), None), Ok(ce(10, -1)));
-        assert_eq!(plan(&[2, 5, 64, 64], None, Some(5), None), Ok(ce(5, 1)));
+        assert_eq!(
+            plan(&[2, 10, 10], None, Some(10), None, false),
+            Ok(ce(10, -1))
+        );
+        assert_eq!(
+            plan(&[2, 5, 64, 64], None, Some(5), None, false),
+            Ok(ce(5, 1))
+        );
         assert!(matches!(
-            plan(&[2, 5], None, Some(7), None),
+            plan(&[2, 5], None, Some(7), None, false),
             Err(LossError::ClassesNotInOutput { classes: 7, .. })
         ));
-        let err = plan(&[2, 1], Some(LossKind::Ce), None, None).unwrap_err();
+        let err = plan(&[2, 1], Some(LossKind::Ce), None, None, false).unwrap_err();
         assert!(err.to_string().contains("--loss mse"), "{err}");
     }
 
     #[test]
     fn a_guess_between_two_readings_says_how_to_take_the_other() {
         let conv1d = [2, 5, 100];
-        let guessed = plan(&conv1d, None, None, None).unwrap();
-        let hint = alternative(&conv1d, &guessed, None).unwrap();
+        let guessed = plan(&conv1d, None, None, None, false).unwrap();
+        let hint = alternative(&conv1d, &guessed, None, false).unwrap();
         assert!(hint.contains("--target-classes 5"), "{hint}");
         // Token ids into a vocabulary the output ends in: a language model, no guess.
         let lm = [2, 512, 32000];
-        let planned = plan(&lm, None, None, Some(32000)).unwrap();
-        assert_eq!(alternative(&lm, &planned, Some(32000)), None);
+        let planned = plan(&lm, None, None, Some(32000), false).unwrap();
+        assert_eq!(alternative(&lm, &planned, Some(32000), false), None);
         // Dimension 1 taken, or no classes at all: nothing to add.
-        assert_eq!(alternative(&[2, 5, 64, 64], &ce(5, 1), None), None);
-        assert_eq!(alternative(&[2, 1000], &ce(1000, -1), None), None);
-        assert_eq!(alternative(&[2, 5, 5], &ce(5, -1), None), None);
+        assert_eq!(alternative(&[2, 5, 64, 64], &ce(5, 1), None, false), None);
+        assert_eq!(alternative(&[2, 1000], &ce(1000, -1), None, false), None);
+        assert_eq!(alternative(&[2, 5, 5], &ce(5, -1), None, false), None);
+    }
+
+    #[test]
+    fn an_output_shaped_like_its_float_input_is_a_reconstruction() {
+        // A denoiser or an autoencoder on RGB images: not three classes per pixel.
+        let image = [2, 3, 64, 64];
+        let planned = plan(&image, None, None, None, true).unwrap();
+        assert_eq!(planned, LossPlan::Mse);
+        let hint = alternative(&image, &planned, None, true).unwrap();
+        assert!(hint.contains("--loss ce"), "{hint}");
+        // An MLP autoencoder: not 784 classes.
+        assert_eq!(plan(&[2, 784], None, None, None, true), Ok(LossPlan::Mse));
+        // The user's word wins: a segmentation net with as many classes as input channels.
+        assert_eq!(
+            plan(&image, Some(LossKind::Ce), None, None, true),
+            Ok(ce(3, 1))
+        );
+        assert_eq!(plan(&image, None, Some(3), None, true), Ok(ce(3, 1)));
+        // Shaped otherwise, the output's own reading stands.
+        assert_eq!(
+            plan(&[2, 21, 64, 64], None, None, None, false),
+            Ok(ce(21, 1))
+        );
+        assert_eq!(alternative(&[2, 1], &LossPlan::Mse, None, false), None);
     }
 
     #[test]

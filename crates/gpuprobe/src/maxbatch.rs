@@ -246,7 +246,7 @@ impl Trainer {
     /// The loss for this model's output (see [`crate::loss`]) and what it is computed on,
     /// from a forward pass of two samples without gradients.
     fn plan_loss(&self, request: &MaxBatchRequest) -> Result<(LossPlan, LossInputs), TrialError> {
-        let (shape, inputs) = {
+        let (shape, inputs, like_input) = {
             let _guard = tch::no_grad_guard();
             let x = self.batch_input(2)?;
             let y = catch_unwind(AssertUnwindSafe(|| self.forward(&x, true))).map_err(|_| {
@@ -256,9 +256,20 @@ impl Trainer {
                 selected: y.selected.clone(),
                 heads: y.head_names(),
             };
-            (y.main.size(), inputs)
+            // The input again, sample for sample, maybe flattened: a reconstruction.
+            let like_input = self.vocab.is_none()
+                && y.main.dim() >= 2
+                && y.main.size().first() == x.size().first()
+                && y.main.numel() == x.numel();
+            (y.main.size(), inputs, like_input)
         };
-        let plan = loss::plan(&shape, request.loss, request.target_classes, self.vocab)?;
+        let plan = loss::plan(
+            &shape,
+            request.loss,
+            request.target_classes,
+            self.vocab,
+            like_input,
+        )?;
         Ok((plan, inputs))
     }
 

@@ -127,6 +127,9 @@ struct OutputInfo {
     /// The forward's optional targets argument (`targets`, `labels`), if it has one.
     #[serde(default)]
     targets_parameter: Option<String>,
+    /// The float input again, sample for sample (maybe flattened): a reconstruction.
+    #[serde(default)]
+    like_input: bool,
 }
 
 /// The loss the model computes itself when given targets (`--loss own`, or by default where
@@ -509,6 +512,7 @@ fn plan_loss(
         args.loss.and_then(|l| l.kind()),
         args.target_classes,
         prepared.describe.vocab.or(args.vocab),
+        output.like_input,
     )
     .map_err(|e| MagicError::usage(format!("%maxbatch: {e}")))?;
     session
@@ -1039,7 +1043,7 @@ fn loss_text(args: &Args, prepared: &Prepared, plan: &LossPlan) -> String {
         .output
         .as_ref()
         .filter(|_| guessed)
-        .and_then(|o| loss::alternative(&o.shape, plan, vocab));
+        .and_then(|o| loss::alternative(&o.shape, plan, vocab, o.like_input));
     let text = match hint {
         Some(hint) => format!("{plan} ({hint})"),
         None => plan.to_string(),

@@ -740,7 +740,8 @@ class ModuleStep:
         heads = [] if self.inference else [w for w, _ in _heads(torch, out, tensor)]
         parameter = None if self.inference else self.targets_parameter
         reply = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
-                 "selected": where, "heads": heads, "targets_parameter": parameter}
+                 "selected": where, "heads": heads, "targets_parameter": parameter,
+                 "like_input": self._like_input(tensor.shape)}
         if parameter is not None and self.loss_requested in (None, "own"):
             tensor = out = None  # their graph goes before the forward with targets
             reply.update(self._probe_own_loss(parameter, reply["shape"], where))
@@ -753,6 +754,16 @@ class ModuleStep:
                 f"{' or '.join(TARGET_PARAMETERS)}): pick --loss ce, mse or mean, or "
                 f"{STEP_HINT}")
         return reply
+
+    def _like_input(self, shape):
+        """Whether an output of `shape` holds a float input again, sample for sample, maybe
+        flattened (a VAE's [batch, 784] of [batch, 1, 28, 28]): a reconstruction
+        (autoencoder, denoiser, a diffusion model's noise), whose loss is not cross-entropy
+        even where its channels would read as classes."""
+        import math
+        if self.vocab or self.input is None or len(shape) < 2:
+            return False
+        return shape[0] == PROBE_BATCH and math.prod(shape) == PROBE_BATCH * math.prod(self.input)
 
     def _forward_signature(self):
         """The forward's signature: the model's own under torch.compile (whose wrapper takes
@@ -941,6 +952,14 @@ class ModuleStep:
                 f"{self.name}.forward needs {len(needed)} arguments ({', '.join(needed)}), "
                 f"while %maxbatch MODULE calls it with one tensor of --input: {STEP_HINT}")
         what = "token ids" if self.vocab else str(self.dtype).replace("torch.", "")
+        if self.targets_parameter is not None:
+            # torchvision's detection models take targets=None and refuse to train without
+            # them; their targets (boxes and labels per image) are nothing a shape can make.
+            return MaxBatchError(
+                f"{self.name}(x) failed for x of shape {shape} ({what}): {failure}; "
+                f"{self.name}.forward also takes {self.targets_parameter}: if it needs them "
+                f"to train (a detection model does), %maxbatch MODULE cannot make them for "
+                f"you: {STEP_HINT}")
         check = ("--input (the shape of one sample) and --vocab" if self.vocab else
                  "--input (the shape of one sample; --vocab N for token ids)")
         return MaxBatchError(
