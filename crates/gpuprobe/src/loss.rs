@@ -178,7 +178,10 @@ pub fn alternative(
             "the output holds as many values as the input, as an autoencoder's or a denoiser's does; if they are class scores, say --loss ce".into(),
         ),
         // Where x == y, --target-classes x reads the last dimension again: no flag to offer.
-        ([_, x, y], LossPlan::Ce { class_dim: -1, .. }) if vocab != Some(*y) && *x > 1 && x != y => Some(
+        // Where x > y, x classes over a length of y is the unlikely reading: a sequence model
+        // labels more positions than it has classes (a CTC head's 399 frames of 30 letters, a
+        // tagger's 128 tokens of 9 tags), a 1-d convolution has fewer classes than positions.
+        ([_, x, y], LossPlan::Ce { class_dim: -1, .. }) if vocab != Some(*y) && *x > 1 && x < y => Some(
             format!("if dimension 1 holds the classes ([batch, classes, length], as a 1-d convolution gives), say --target-classes {x}"),
         ),
         _ => None,
@@ -264,6 +267,8 @@ mod tests {
         assert_eq!(alternative(&[2, 5, 64, 64], &ce(5, 1), None, false), None);
         assert_eq!(alternative(&[2, 1000], &ce(1000, -1), None, false), None);
         assert_eq!(alternative(&[2, 5, 5], &ce(5, -1), None, false), None);
+        // More positions than classes: a sequence model's output, read as such.
+        assert_eq!(alternative(&[2, 399, 30], &ce(30, -1), None, false), None);
     }
 
     #[test]
