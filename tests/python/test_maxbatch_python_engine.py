@@ -150,6 +150,15 @@ class Detector(torch.nn.Module):  # as torchvision's detection models: targets t
         return {"loss_box": self.conv(images).mean()}
 detector = Detector()
 # A denoiser: an RGB image in, one out; its 3 channels are not 3 classes.
+class DeepSup(torch.nn.Module):  # deep supervision, as nnU-Net: the map, then at half size
+    def __init__(self):
+        super().__init__()
+        self.enc, self.full, self.coarse = (torch.nn.Conv2d(3, 4, 3, padding=1),
+                                          torch.nn.Conv2d(4, 5, 1), torch.nn.Conv2d(4, 5, 1))
+    def forward(self, x):
+        h = self.enc(x).relu()
+        return [self.full(h), self.coarse(F.avg_pool2d(h, 2))]
+deep_sup = DeepSup()
 class Vae(torch.nn.Module):  # as PyTorch's examples/vae: the image back flattened, mu, logvar
     def __init__(self):
         super().__init__()
@@ -423,16 +432,16 @@ def test_a_seq_first_model_is_fed_seq_first_and_the_report_says_so(notebook):
 @pytest.mark.parametrize("cell, loss", [
     ("%maxbatch seg --input 3x8x8 --optimizer sgd", "cross-entropy over dimension 1 (5 classes"),
     ("%maxbatch seg_aux --input 3x8x8", "cross-entropy over dimension 1 (5 classes, per "
-     "position), on output['out'] and the heads shaped like it (output['aux']), summed"),
+     "position), on output['out'] and the heads trained with it (output['aux']), summed"),
     # The libtorch engine selects and sums alike on the notebook module's TorchScript copy.
     ("%maxbatch seg_aux --input 3x8x8 --engine libtorch", "cross-entropy over dimension 1 (5 "
-     "classes, per position), on output['out'] and the heads shaped like it (output['aux']), "
+     "classes, per position), on output['out'] and the heads trained with it (output['aux']), "
      "summed"),
     # A dict output reaches the libtorch engine through a trace too (strict=False).
     ("%maxbatch traced_aux --input 3x8x8 --engine libtorch", "saved as TorchScript by "
      "torch.jit.trace"),
     ("%maxbatch traced_aux --input 3x8x8 --engine libtorch", "on output['out'] and the heads "
-     "shaped like it (output['aux']), summed"),
+     "trained with it (output['aux']), summed"),
     # The libtorch engine's CPU check steps two samples, which BatchNorm needs in training.
     ("%maxbatch pooled_bn --input 3x8x8 --engine libtorch", "one training step of batch 2 ran "
      "on the CPU with input [3, 8, 8], loss cross-entropy over the last dimension (5 classes)"),
@@ -454,6 +463,12 @@ def test_a_seq_first_model_is_fed_seq_first_and_the_report_says_so(notebook):
     ("%maxbatch vae --input 3x8x8 --engine libtorch", "loss mean squared error"),
     ("%maxbatch denoiser --input 3x8x8 --engine libtorch", "loss mean squared error"),
     ("%maxbatch denoiser --input 3x8x8 --loss ce", "cross-entropy over dimension 1 (3 classes"),
+    # Deep supervision: the coarser map is trained too, on either engine.
+    ("%maxbatch deep_sup --input 3x8x8", "cross-entropy over dimension 1 (5 classes, per "
+     "position), on output[0] and the heads trained with it (output[1] at 4x4), summed"),
+    ("%maxbatch deep_sup --input 3x8x8 --engine libtorch", "cross-entropy over dimension 1 (5 "
+     "classes, per position), on output[0] and the heads trained with it (output[1] at 4x4), "
+     "summed"),
 ])
 def test_the_loss_is_inferred_from_the_output_and_stated(notebook, cell, loss):
     _, kc = notebook

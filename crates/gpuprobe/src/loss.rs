@@ -59,12 +59,13 @@ impl fmt::Display for LossPlan {
 
 /// What the loss is computed on when a model returns several tensors. Both engines select
 /// alike (gpuprobe's `output` module for TorchScript, trials.py's `_select_output` in the
-/// Python kernel): the loss trains the selected tensor and the auxiliary heads shaped like it.
+/// Python kernel): the loss trains the selected tensor and the auxiliary heads like it.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct LossInputs {
     /// How the tensor the loss is computed on was found: `output`, `output['out']`.
     pub selected: String,
-    /// Auxiliary heads shaped like it (torchvision's `output['aux']`), in the loss too.
+    /// Auxiliary heads (torchvision's `output['aux']`; a deep-supervised net's coarser maps,
+    /// named with their size), in the loss too.
     #[serde(default)]
     pub heads: Vec<String>,
 }
@@ -76,7 +77,7 @@ impl LossInputs {
             return plan.to_string();
         }
         format!(
-            "{plan}, on {} and the heads shaped like it ({}), summed",
+            "{plan}, on {} and the heads trained with it ({}), summed",
             self.selected,
             self.heads.join(", ")
         )

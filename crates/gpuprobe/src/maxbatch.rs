@@ -273,7 +273,7 @@ impl Trainer {
         Ok((plan, inputs))
     }
 
-    /// The planned loss of the selected output, summed over the heads shaped like it.
+    /// The planned loss of the selected output, summed over its heads.
     fn loss_on(&self, output: &Output) -> Result<Tensor, TrialError> {
         let mut loss = self.loss_of(&output.main)?;
         for (_, head) in &output.heads {

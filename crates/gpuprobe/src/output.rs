@@ -5,7 +5,9 @@
 //! output itself if it is a tensor; else a dict's `'logits'`; else the first floating-point
 //! tensor that is not a scalar (a model returning `(aux_loss, logits)` puts a loss first).
 //! The other floating-point tensors shaped like it are auxiliary heads (torchvision's
-//! segmentation `{'out', 'aux'}`, Inception's `aux_logits`), which a user's loss trains too.
+//! segmentation `{'out', 'aux'}`, Inception's `aux_logits`), which a user's loss trains too;
+//! so are a dense map's copies at other resolutions (deep supervision: `[batch, classes, H/2,
+//! W/2]`).
 
 use tch::{IValue, Tensor};
 
@@ -96,14 +98,23 @@ impl Output {
             .or_else(|| items.iter().position(|(_, t)| floating(t) && t.dim() > 0))
             .or_else(|| items.iter().position(|(_, t)| floating(t)))?;
         let (selected, main) = items.remove(index);
-        let (heads, rest): (Vec<_>, Vec<_>) = items
-            .into_iter()
-            .partition(|(_, t)| floating(t) && t.size() == main.size());
+        let mut heads = Vec::new();
+        let mut rest = Vec::new();
+        for (at, t) in items {
+            if floating(&t) && t.size() == main.size() {
+                heads.push((at, t));
+            } else if floating(&t) && rescaled(&t.size(), &main.size()) {
+                let size: Vec<String> = t.size()[2..].iter().map(i64::to_string).collect();
+                heads.push((format!("{at} at {}", size.join("x")), t));
+            } else {
+                rest.push(t);
+            }
+        }
         Some(Output {
             main,
             selected,
             heads,
-            rest: rest.into_iter().map(|(_, t)| t).collect(),
+            rest,
         })
     }
 
@@ -111,6 +122,12 @@ impl Output {
     pub fn head_names(&self) -> Vec<String> {
         self.heads.iter().map(|(w, _)| w.clone()).collect()
     }
+}
+
+/// Whether `size` is the dense map `main` (`[batch, classes, *spatial]`) at another
+/// resolution: a deep-supervised net's coarser outputs (nnU-Net's, UNet++'s), trained too.
+fn rescaled(size: &[i64], main: &[i64]) -> bool {
+    size.len() == main.len() && size.len() >= 4 && size[..2] == main[..2] && size[2..] != main[2..]
 }
 
 /// A dict key as Python writes it in a subscript: `'out'`, `3`.
@@ -190,6 +207,35 @@ mod tests {
             2,
             "the scalar and the ids stay alive with the output"
         );
+    }
+
+    #[test]
+    fn a_deep_supervised_nets_coarser_maps_are_heads_named_with_their_size() {
+        // nnU-Net's list: the map at full resolution, then at half and a quarter of it.
+        let maps = IValue::GenericList(vec![
+            IValue::Tensor(t(&[2, 3, 32, 32])),
+            IValue::Tensor(t(&[2, 3, 16, 16])),
+            IValue::Tensor(t(&[2, 3, 8, 8])),
+            // Features of another width are no head, nor is another batch's map.
+            IValue::Tensor(t(&[2, 64, 16, 16])),
+            IValue::Tensor(t(&[1, 3, 16, 16])),
+        ]);
+        let out = Output::select(maps).expect("a list of maps");
+        assert_eq!(out.selected, "output[0]");
+        assert_eq!(
+            out.head_names(),
+            vec![
+                "output[1] at 16x16".to_string(),
+                "output[2] at 8x8".to_string()
+            ]
+        );
+        assert_eq!(out.rest.len(), 2);
+        // Class scores of two samples are no dense map: their other tensors stay out.
+        let pair = IValue::Tuple(vec![
+            IValue::Tensor(t(&[2, 10])),
+            IValue::Tensor(t(&[2, 5])),
+        ]);
+        assert!(Output::select(pair).expect("a pair").heads.is_empty());
     }
 
     #[test]

@@ -504,13 +504,28 @@ def _returned_loss(torch, out):
 
 
 def _heads(torch, out, selected):
-    """The output's other tensors shaped like `selected`: auxiliary heads (torchvision's
-    segmentation `{'out', 'aux'}`, Inception's `aux_logits`), which a user's loss trains with
-    the main one. Left out of the loss, a head's graph would stay alive with the output until
-    the next forward, memory the user's step frees in its backward. Returns [(where, tensor)]."""
-    return [(where, v) for where, v in _output_items(out)
-            if torch.is_tensor(v) and v is not selected and v.is_floating_point()
-            and v.shape == selected.shape]
+    """The output's other tensors like `selected`: auxiliary heads shaped like it
+    (torchvision's segmentation `{'out', 'aux'}`, Inception's `aux_logits`), and a
+    deep-supervised net's maps at other resolutions (nnU-Net's, UNet++'s: the same batch and
+    classes, `[batch, classes, H/2, W/2]`), which a user's loss trains with the main one. Left
+    out of the loss, a head's graph would stay alive with the output until the next forward,
+    memory the user's step frees in its backward. Returns [(where, tensor)], a head of another
+    size named with it: `output[1] at 16x16`."""
+    heads = []
+    for where, v in _output_items(out):
+        if not torch.is_tensor(v) or v is selected or not v.is_floating_point():
+            continue
+        if v.shape == selected.shape:
+            heads.append((where, v))
+        elif _rescaled(v.shape, selected.shape):
+            heads.append((f"{where} at {'x'.join(map(str, v.shape[2:]))}", v))
+    return heads
+
+
+def _rescaled(shape, main):
+    """Whether `shape` is the dense map `main` (`[batch, classes, *spatial]`) at another
+    resolution. gpuprobe's output.rs decides alike for the libtorch engine."""
+    return len(shape) == len(main) >= 4 and shape[:2] == main[:2] and shape[2:] != main[2:]
 
 
 def _token_layers(torch):
