@@ -223,6 +223,7 @@ def make(name, factory, maker, amp=None, opt=None, weights=None):
 accumulate = {}  # name -> micro-batches per optimizer step (gradient accumulation)
 own_loss = set()  # names trained with the model's own loss (a Hugging Face model given labels=)
 own_targets = set()  # names trained as nanoGPT is: model(x, targets) returns (logits, loss)
+loss_only = set()  # of those, names whose loop keeps the loss only (`loss = model(x, y)[1]`)
 scheds = {}  # name -> LR scheduler stepped after every optimizer step
 clip = set()  # names whose gradients are clipped to norm 1 before the optimizer step
 
@@ -239,8 +240,11 @@ def train(name, batch, steps):
             with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
                 if name in own_loss:  # as Hugging Face users train: the model's loss (shifted)
                     loss = m(input_ids=x, labels=x).loss / micro
-                elif name in own_targets:  # as nanoGPT trains: logits, loss = model(X, Y)
+                elif name in loss_only:  # the logits dropped at once
                     loss = m(x, y)[1] / micro
+                elif name in own_targets:  # as nanoGPT's train.py: the logits live on into
+                    logits, loss = m(x, y)  # the next step's forward  # noqa: F841
+                    loss = loss / micro
                 else:
                     out = m(x)
                     out = getattr(out, "logits", out)  # a Hugging Face model's output
@@ -619,8 +623,16 @@ ROWS = {
     # standard step now feeds the same way (the batch on dim 1, found from its encoder).
     # Row new to the suite on 2026-12-06: nanoGPT, whose forward computes the training
     # logits only when given targets; the standard step now passes them, as its loop does.
+    # Its loop as nanoGPT's train.py writes it, `logits, loss = model(X, Y)`: the logits
+    # (206 MB a sample) live on into the next step's forward (fixed 2026-12-06: the first run
+    # of this row trained `loss = model(X, Y)[1]`, which is now the next row).
     "nanogpt_fp32": ("make('nanogpt_fp32', NanoGPT, tokens(50304, 1024)); own_targets.add('nanogpt_fp32')",
                      "nanogpt_fp32 --input 1024", False),
+    # The same model in a loop that drops the logits at once: the standard step keeps them,
+    # as nanoGPT's loop does, and its report says how many more such a loop can fit.
+    "nanogpt_loss_only_fp32": ("make('nanogpt_loss_only_fp32', NanoGPT, tokens(50304, 1024)); "
+                               "own_targets.add('nanogpt_loss_only_fp32'); loss_only.add('nanogpt_loss_only_fp32')",
+                               "nanogpt_loss_only_fp32 --input 1024", False),
     "tutorial_seqfirst_fp32": ("make('tutorial_seqfirst_fp32', TutorialLM, seq_tokens(32000, 256))",
                                "tutorial_seqfirst_fp32 --input 256", False),
 }

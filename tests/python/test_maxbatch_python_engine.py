@@ -735,6 +735,10 @@ def test_the_step_trains_on_the_loss_a_model_computes_from_its_targets(trials):
         spec = {"kind": "module", "target": "model", "input": [12], "loss": loss}
         reply = call(trials, ns, "prepare", spec=spec)
         assert ("own_loss" in reply["output"]) == (loss != "ce"), reply
+        # What the step's output keeps alive into the next forward, a sample's share: the
+        # logits it trains on (float32), and the loss beside them (4 bytes over 2 samples).
+        returned = 2 if loss != "ce" else 0
+        assert reply["output"]["output_sample_bytes"] == 4 * logits[1] * 30 + returned, reply
         call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 30, "class_dim": -1})
         seen, targets = [], []
         hooks = [model.lm_head.register_forward_hook(lambda _m, _a, o: seen.append(o.shape)),

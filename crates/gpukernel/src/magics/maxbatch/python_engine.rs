@@ -130,6 +130,10 @@ struct OutputInfo {
     /// The float input again, sample for sample (maybe flattened): a reconstruction.
     #[serde(default)]
     like_input: bool,
+    /// What the whole output of the step's forward holds per sample (every tensor, each
+    /// storage once), alive into the next forward as in a for loop.
+    #[serde(default)]
+    output_sample_bytes: u64,
 }
 
 /// The loss the model computes itself when given targets (`--loss own`, or by default where
@@ -462,6 +466,15 @@ fn search_on_gpu(
         confirmation: searched.confirmation,
         timings: None,
     };
+    findings
+        .notes
+        .extend(prepared.output.as_ref().and_then(|o| {
+            held_output_note(
+                o.output_sample_bytes,
+                findings.search.max_fit?,
+                findings.search.fit?.1,
+            )
+        }));
     if args.throughput {
         findings.throughput = Some(throughput(session, &live, &findings, trial_limit)?);
     }
@@ -1076,6 +1089,27 @@ fn own_loss_text(model: &str, own: &OwnLoss) -> String {
     )
 }
 
+/// What keeping the last output alive into the next forward (as `out = model(x)` in a for
+/// loop keeps it) may cost at the maximum, where that is a sample or more of the step's own
+/// memory: an LM's logits are [batch, seq, vocab] (206 MB a sample for GPT-2 small in fp32),
+/// and a loop that drops them first (`loss = model(x, y)[1]`) fits more. "Up to": whether
+/// they count depends on whether the step peaks before the next forward replaces them.
+fn held_output_note(sample_bytes: u64, max_fit: u64, step_sample_bytes: f64) -> Option<String> {
+    let held = sample_bytes.saturating_mul(max_fit);
+    let more = (held as f64 / step_sample_bytes).floor();
+    if !(1.0..1e9).contains(&more) {
+        return None;
+    }
+    Some(format!(
+        "the last step's output, {} a sample ({} at {max_fit}), lives into the next step's \
+         forward here, as `out = model(x)` or `logits, loss = model(x, y)` in a for loop keeps \
+         it; a loop that drops it first (`loss = model(x, y)[1]`, `del out`) can fit up to \
+         about {more} more: --step FN sizes yours exactly",
+        human_bytes(sample_bytes),
+        human_bytes(held),
+    ))
+}
+
 fn notes(prepared: &Prepared) -> Vec<String> {
     let d = &prepared.describe;
     let kept: Vec<String> = d
@@ -1222,6 +1256,18 @@ mod tests {
         );
         let none = notes(&prepared(r#"["cuda:0"]"#, 0));
         assert!(!none.iter().any(|n| n.contains("not copied")), "{none:?}");
+    }
+
+    #[test]
+    fn an_output_held_into_the_next_forward_is_a_note_where_it_is_a_sample_or_more() {
+        // nanoGPT's logits on an H100 (maxbatch-truth-2026-12-06): 206 MB a sample, the step
+        // about 1.2 GB a sample, 15 fitted where a loop dropping the logits fitted 17.
+        let note = held_output_note(206_045_184, 15, 1.25e9).expect("a note");
+        assert!(note.contains("196 MiB a sample (2.88 GiB at 15)"), "{note}");
+        assert!(note.contains("can fit up to about 2 more"), "{note}");
+        // A ResNet-50's thousand scores a sample, against its 100 MB a sample: nothing to say.
+        assert_eq!(held_output_note(4000, 2000, 1e8), None);
+        assert_eq!(held_output_note(206_045_184, 15, 0.0), None);
     }
 
     #[test]

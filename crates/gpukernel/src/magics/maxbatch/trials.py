@@ -472,6 +472,23 @@ def _output_items(out):
     return []
 
 
+def _output_bytes(torch, out, depth=3):
+    """The bytes the tensors of a forward's output hold (each storage once): what a loop's
+    `out = model(x)` keeps alive into the next step's forward."""
+    storages = {}
+
+    def walk(value, depth):
+        if torch.is_tensor(value):
+            if value.device.type != "meta":
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif depth > 0:
+            for _, v in _output_items(value):
+                walk(v, depth - 1)
+    walk(out, depth)
+    return sum(storages.values())
+
+
 def _select_output(torch, out):
     """The tensor a loss is computed on: the output itself, `.logits` / ['logits'], or the
     first floating-point tensor of a tuple or dict that is not a scalar (a model that returns
@@ -756,7 +773,8 @@ class ModuleStep:
         parameter = None if self.inference else self.targets_parameter
         reply = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
                  "selected": where, "heads": heads, "targets_parameter": parameter,
-                 "like_input": self._like_input(tensor.shape)}
+                 "like_input": self._like_input(tensor.shape),
+                 "output_sample_bytes": _output_bytes(torch, out) // PROBE_BATCH}
         if parameter is not None and self.loss_requested in (None, "own"):
             tensor = out = None  # their graph goes before the forward with targets
             reply.update(self._probe_own_loss(parameter, reply["shape"], where))
@@ -864,7 +882,8 @@ class ModuleStep:
             reply = {"parameter": parameter, "targets": words, "returned": found[1],
                      "reason": reason}
             return {"own_loss": reply, "shape": list(trained.shape),
-                    "dtype": str(trained.dtype).replace("torch.", ""), "heads": []}
+                    "dtype": str(trained.dtype).replace("torch.", ""), "heads": [],
+                    "output_sample_bytes": _output_bytes(torch, out) // PROBE_BATCH}
         if self.loss_requested == "own":
             raise MaxBatchError(
                 f"--loss own: {self.name}(x, {parameter}=...) gave no loss ("
