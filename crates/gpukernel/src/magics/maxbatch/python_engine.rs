@@ -469,11 +469,8 @@ fn search_on_gpu(
     findings
         .notes
         .extend(prepared.output.as_ref().and_then(|o| {
-            held_output_note(
-                o.output_sample_bytes,
-                findings.search.max_fit?,
-                findings.search.fit?.1,
-            )
+            let step = step_sample_bytes(&findings.search.trials)?;
+            held_output_note(o.output_sample_bytes, findings.search.max_fit?, step)
         }));
     if args.throughput {
         findings.throughput = Some(throughput(session, &live, &findings, trial_limit)?);
@@ -1089,6 +1086,18 @@ fn own_loss_text(model: &str, own: &OwnLoss) -> String {
     )
 }
 
+/// The step's memory per sample, from the smallest and the largest batch that ran (the
+/// search's opening line has no second point where its second opening failed).
+fn step_sample_bytes(trials: &[search::Trial]) -> Option<f64> {
+    let ran = trials.iter().filter_map(|t| match t.outcome {
+        Outcome::Ran { peak, .. } => Some((t.batch, peak)),
+        Outcome::OutOfMemory => None,
+    });
+    let low = ran.clone().min_by_key(|(b, _)| *b)?;
+    let high = ran.max_by_key(|(b, _)| *b)?;
+    (high.0 > low.0).then(|| (high.1 as f64 - low.1 as f64) / (high.0 - low.0) as f64)
+}
+
 /// What keeping the last output alive into the next forward (as `out = model(x)` in a for
 /// loop keeps it) may cost at the maximum, where that is a sample or more of the step's own
 /// memory: an LM's logits are [batch, seq, vocab] (206 MB a sample for GPT-2 small in fp32),
@@ -1268,6 +1277,24 @@ mod tests {
         // A ResNet-50's thousand scores a sample, against its 100 MB a sample: nothing to say.
         assert_eq!(held_output_note(4000, 2000, 1e8), None);
         assert_eq!(held_output_note(206_045_184, 15, 0.0), None);
+        // That run's trials: 4 and 15 ran, 16 did not; 8 between.
+        let trial = |batch, peak: Option<u64>| search::Trial {
+            batch,
+            outcome: peak.map_or(Outcome::OutOfMemory, |peak| Outcome::Ran {
+                peak,
+                reserved: 0,
+            }),
+            fits: peak.is_some(),
+        };
+        let trials = [
+            trial(4, Some(7_321_902_080)),
+            trial(16, None),
+            trial(8, Some(13_044_833_280)),
+            trial(15, Some(23_167_245_312)),
+        ];
+        let step = step_sample_bytes(&trials).expect("two batches ran");
+        assert!((step - 1.4405e9).abs() < 1e6, "{step}");
+        assert_eq!(step_sample_bytes(&trials[..2]), None);
     }
 
     #[test]
