@@ -138,6 +138,17 @@ class UNet(nn.Module):
         b = s.c2(torch.cat([s.u2(c), b], 1)); a = s.c1(torch.cat([s.u1(b), a], 1))
         return s.out(a)
 
+class UNetDS(UNet):
+    # Deep supervision, as nnU-Net trains: the map at full resolution and at half, both in the
+    # loss (the half-size map from the decoder's second stage).
+    def __init__(s, classes=21, w=32):
+        super().__init__(classes, w)
+        s.out_half = nn.Conv2d(2*w, classes, 1)
+    def forward(s, x):
+        a = s.d1(x); b = s.d2(F.max_pool2d(a, 2)); c = s.d3(F.max_pool2d(b, 2))
+        b = s.c2(torch.cat([s.u2(c), b], 1)); a = s.c1(torch.cat([s.u1(b), a], 1))
+        return [s.out(a), s.out_half(b)]
+
 class LSTMLM(nn.Module):
     def __init__(s, vocab=32000, d=512, hidden=1024, layers=2):
         super().__init__()
@@ -201,6 +212,8 @@ def tokens(vocab, seq):
     return lambda b: (torch.randint(0, vocab, (b, seq), device=dev), torch.randint(0, vocab, (b, seq), device=dev))
 def images(size, classes):
     return lambda b: (torch.randn(b, 3, size, size, device=dev), torch.randint(0, classes, (b,), device=dev))
+def noisy(size):  # a denoiser's batch: noisy images, and the noise it learns to predict
+    return lambda b: (torch.randn(b, 3, size, size, device=dev), torch.randn(b, 3, size, size, device=dev))
 def masks(size, classes):
     return lambda b: (torch.randn(b, 3, size, size, device=dev), torch.randint(0, classes, (b, size, size), device=dev))
 
@@ -224,6 +237,7 @@ accumulate = {}  # name -> micro-batches per optimizer step (gradient accumulati
 own_loss = set()  # names trained with the model's own loss (a Hugging Face model given labels=)
 own_targets = set()  # names trained as nanoGPT is: model(x, targets) returns (logits, loss)
 loss_only = set()  # of those, names whose loop keeps the loss only (`loss = model(x, y)[1]`)
+mse = set()  # names trained on mean squared error against their target (a denoiser)
 scheds = {}  # name -> LR scheduler stepped after every optimizer step
 clip = set()  # names whose gradients are clipped to norm 1 before the optimizer step
 
@@ -245,8 +259,13 @@ def train(name, batch, steps):
                 elif name in own_targets:  # as nanoGPT's train.py: the logits live on into
                     logits, loss = m(x, y)  # the next step's forward  # noqa: F841
                     loss = loss / micro
-                else:
+                elif name in mse:  # a denoiser: the noise it predicts against the noise
                     out = m(x)
+                    loss = F.mse_loss(out, y) / micro
+                elif isinstance(out := m(x), list):  # deep supervision: every scale's map
+                    loss = sum(F.cross_entropy(o, y[:, ::y.shape[1] // o.shape[2], ::y.shape[2] // o.shape[3]])
+                               for o in out) / micro
+                else:
                     out = getattr(out, "logits", out)  # a Hugging Face model's output
                     aux = None
                     if isinstance(out, dict):  # torchvision's segmentation models: {'out', 'aux'}
@@ -623,6 +642,13 @@ ROWS = {
     # standard step now feeds the same way (the batch on dim 1, found from its encoder).
     # Row new to the suite on 2026-12-06: nanoGPT, whose forward computes the training
     # logits only when given targets; the standard step now passes them, as its loop does.
+    # Rows new to the suite on 2026-12-06 (second part), for the loss the standard step infers:
+    # a denoiser (its output shaped like its input: mean squared error, where its 3 channels
+    # read as 3 classes before), and deep supervision (the half-size map trained too).
+    "denoiser_unet_fp32": ("make('denoiser_unet_fp32', lambda: UNet(classes=3), noisy(128)); mse.add('denoiser_unet_fp32')",
+                           "denoiser_unet_fp32 --input 3x128x128", False),
+    "unet_deepsup_fp32": ("make('unet_deepsup_fp32', UNetDS, masks(128, 21))",
+                          "unet_deepsup_fp32 --input 3x128x128", False),
     # Its loop as nanoGPT's train.py writes it, `logits, loss = model(X, Y)`: the logits
     # (206 MB a sample) live on into the next step's forward (fixed 2026-12-06: the first run
     # of this row trained `loss = model(X, Y)[1]`, which is now the next row).
