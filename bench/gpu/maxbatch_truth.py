@@ -591,28 +591,32 @@ ROWS = {
     "gpt_compiled_step": ("make('gptc', GPT, tokens(32000, 512)); "
                           "models['gptc'] = torch.compile(models['gptc'])",
                           "--step gpt_compiled_step --trial-timeout 300", False),
+    # The Hugging Face rows below train in a loop that computes cross-entropy on the logits
+    # itself, so they ask for that loss (`--loss ce`, added 2026-12-06): since then the
+    # standard step trains a model whose forward takes labels on the loss it returns, as a
+    # loop that passes labels does (the rows `hf_llama_bf16w_labels*`).
     "hf_gpt2_fp32": ("make('hf_gpt2_fp32', hf_gpt2, tokens(50257, 512))",
-                     "hf_gpt2_fp32 --input 512", False),
+                     "hf_gpt2_fp32 --input 512 --loss ce", False),
     "hf_bert_mlm_fp32": ("make('hf_bert_mlm_fp32', hf_bert_mlm, tokens(30522, 512))",
-                         "hf_bert_mlm_fp32 --input 512", False),
+                         "hf_bert_mlm_fp32 --input 512 --loss ce", False),
     "hf_distilbert_cls_bf16": ("make('hf_distilbert_cls_bf16', hf_distilbert_cls, "
                                "sentences(30522, 512, 2), torch.bfloat16)",
-                               "hf_distilbert_cls_bf16 --input 512 --amp bf16", False),
+                               "hf_distilbert_cls_bf16 --input 512 --amp bf16 --loss ce", False),
     "hf_llama_bf16": ("make('hf_llama_bf16', hf_llama, tokens(32000, 512), torch.bfloat16)",
-                      "hf_llama_bf16 --input 512 --amp bf16", False),
+                      "hf_llama_bf16 --input 512 --amp bf16 --loss ce", False),
     "hf_llama_step": ("make('hfls', hf_llama, tokens(32000, 512), torch.bfloat16); own_loss.add('hfls')",
                       "--step hf_llama_step", False),
     "hf_convnext_bf16": ("make('hf_convnext_bf16', hf_convnext, images(224, 1000), torch.bfloat16)",
-                         "hf_convnext_bf16 --input 3x224x224 --amp bf16", False),
+                         "hf_convnext_bf16 --input 3x224x224 --amp bf16 --loss ce", False),
     "hf_swin_bf16": ("make('hf_swin_bf16', hf_swin, images(224, 1000), torch.bfloat16)",
-                     "hf_swin_bf16 --input 3x224x224 --amp bf16", False),
+                     "hf_swin_bf16 --input 3x224x224 --amp bf16 --loss ce", False),
     # Rows new to the suite on 2026-12-04 (a new user's set-ups: a frozen backbone with SGD,
     # pure bf16 weights with fused AdamW, clipping and a scheduler, channels_last).
     "hf_bert_frozen_sgd": ("make('hf_bert_frozen_sgd', hf_bert_frozen, sentences(30522, 256, 4), opt=trainable_sgd)",
-                           "hf_bert_frozen_sgd --input 256", False),
+                           "hf_bert_frozen_sgd --input 256 --loss ce", False),
     "hf_llama_bf16_weights": ("make('hf_llama_bf16_weights', hf_llama, tokens(32000, 512), weights=torch.bfloat16, "
                               "opt=fused_adamw)",
-                              "hf_llama_bf16_weights --input 512", False),
+                              "hf_llama_bf16_weights --input 512 --loss ce", False),
     "gpt_sched_step": ("make('gptsched', GPT, tokens(32000, 512), "
                        "opt=lambda m: torch.optim.Adam(m.parameters(), lr=3e-4, foreach=False)); "
                        "scheds['gptsched'] = torch.optim.lr_scheduler.OneCycleLR(opts['gptsched'], "
@@ -649,6 +653,16 @@ ROWS = {
                            "denoiser_unet_fp32 --input 3x128x128", False),
     "unet_deepsup_fp32": ("make('unet_deepsup_fp32', UNetDS, masks(128, 21))",
                           "unet_deepsup_fp32 --input 3x128x128", False),
+    # Pure bf16 weights trained as Hugging Face users train, `model(input_ids=x, labels=x).loss`:
+    # its loss upcasts the bf16 logits to float32 and keeps that copy's softmax. The default
+    # step (the model's own loss, 2026-12-06) against the one before it (`--loss ce`: cross-
+    # entropy on the bf16 logits), each in the same labels loop.
+    "hf_llama_bf16w_labels": ("make('hf_llama_bf16w_labels', hf_llama, tokens(32000, 512), weights=torch.bfloat16, "
+                              "opt=fused_adamw); own_loss.add('hf_llama_bf16w_labels')",
+                              "hf_llama_bf16w_labels --input 512", False),
+    "hf_llama_bf16w_labels_ce": ("make('hf_llama_bf16w_labels_ce', hf_llama, tokens(32000, 512), weights=torch.bfloat16, "
+                                 "opt=fused_adamw); own_loss.add('hf_llama_bf16w_labels_ce')",
+                                 "hf_llama_bf16w_labels_ce --input 512 --loss ce", False),
     # Its loop as nanoGPT's train.py writes it, `logits, loss = model(X, Y)`: the logits
     # (206 MB a sample) live on into the next step's forward (fixed 2026-12-06: the first run
     # of this row trained `loss = model(X, Y)[1]`, which is now the next row).

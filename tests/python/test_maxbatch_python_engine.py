@@ -229,7 +229,21 @@ class LabelledClassifier(torch.nn.Module):
         return {"logits": logits,
                 "loss": None if labels is None else F.cross_entropy(logits, labels)}
 
-nano, labelled = NanoGPT(), LabelledClassifier()
+# An encoder-decoder as T5: the decoder's input is made from the labels, and without them
+# (nor decoder ids) the forward fails after its encoder; given them it returns (loss, logits).
+class Seq2Seq(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(30, 8), torch.nn.Linear(8, 30)
+    def forward(self, input_ids, labels=None):
+        encoded = self.emb(input_ids)
+        if labels is None:
+            raise ValueError("You have to specify either decoder_input_ids or "
+                             "decoder_inputs_embeds")
+        logits = self.head(encoded + self.emb(F.pad(labels, (1, 0))[:, :-1]))
+        return F.cross_entropy(logits.reshape(-1, 30), labels.reshape(-1)), logits
+
+nano, labelled, seq2seq = NanoGPT(), LabelledClassifier(), Seq2Seq()
 
 # A ViT whose encoder layers keep PyTorch's default batch_first=False, fed (batch, patches,
 # dim): it trains, attending across the samples of each batch.
@@ -387,10 +401,19 @@ def test_an_lbfgs_model_is_stepped_with_a_closure_and_its_history_put_back(noteb
      "returns it at output[1], targets ids < 40 shaped like the input; "),
     ("%maxbatch nano --input 16 --loss ce", "loss cross-entropy over the last dimension (40 "
      "classes); optimizer"),
-    # The same logits with labels as without: the standard loss, and the way to the other.
-    ("%maxbatch labelled --input 8", "loss cross-entropy over the last dimension (3 classes) "
-     "(its forward also takes labels: if your loop passes them and trains on the loss it "
-     "returns, --loss own sizes that loss, which can hold more)"),
+    # The same logits with labels as without, but a forward written to take them is given
+    # them: the loss it returns (a Hugging Face model's upcasts bf16 logits to float32).
+    ("%maxbatch labelled --input 8", "loss the model's own: labelled(x, labels=...) returns it "
+     "at output['loss'], labels ids < 3 shaped [2] at batch 2 (a loop that passes labels "
+     "trains on the loss its forward returns; --loss ce sizes cross-entropy on "
+     "output['logits'] instead, if yours computes its own)"),
+    ("%maxbatch labelled --input 8 --loss ce", "loss cross-entropy over the last dimension (3 "
+     "classes); optimizer"),
+    # An encoder-decoder makes its decoder's input from its labels: it runs only with them.
+    ("%maxbatch seq2seq --input 6", "loss the model's own: seq2seq(x, labels=...) returns it at "
+     "output[0], labels ids < 30 shaped like the input (without labels its forward fails "
+     "(ValueError: You have to specify either decoder_input_ids or decoder_inputs_embeds); "
+     "given them it returns the loss, which a loop that passes them trains on)"),
     ("%maxbatch labelled --input 8 --loss own", "loss the model's own: labelled(x, labels=...) "
      "returns it at output['loss'], labels ids < 3 shaped [2] at batch 2; "),
 ])

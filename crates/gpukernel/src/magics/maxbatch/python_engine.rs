@@ -1063,9 +1063,11 @@ fn loss_text(args: &Args, prepared: &Prepared, plan: &LossPlan) -> String {
     };
     let text = o.inputs.describe(text);
     match (&o.targets_parameter, args.loss) {
+        // The trials pass targets wherever the forward returns a loss for them; here it
+        // returned none for any %maxbatch could make.
         (Some(p), None) => format!(
-            "{text} (its forward also takes {p}: if your loop passes them and trains on the \
-             loss it returns, --loss own sizes that loss, which can hold more)"
+            "{text} (its forward also takes {p}, but gave no loss for the targets %maxbatch \
+             could make: --step FN sizes a loop that passes yours)"
         ),
         _ => text,
     }

@@ -761,7 +761,15 @@ class ModuleStep:
         RNNs, MultiheadAttention and Transformer layers by default) took it as its sequence."""
         torch = self.torch
         self.model.train(not self.inference)
-        out, watch = self._watched_forward()
+        try:
+            out, watch = self._watched_forward()
+        except MaxBatchError as refused:
+            # An encoder-decoder (T5, BART) makes its decoder's input from its labels: without
+            # them its forward fails, with them it trains.
+            if (self.inference or self.targets_parameter is None
+                    or self.loss_requested not in (None, "own")):
+                raise
+            return self._own_loss_alone(refused)
         if self.batch_dim is None:
             self.batch_dim = 0
             misplaced = watch.batch_on_sequence()
@@ -824,14 +832,16 @@ class ModuleStep:
         batch's dimension in it, values below)]. Their values stay below the output's class
         count: an index out of range is a device-side assert on the GPU, fatal to the CUDA
         context of the user's process, where a wrong shape is an ordinary exception."""
-        classes = shape[-1] if len(shape) >= 2 else None
+        classes = shape[-1] if shape is not None and len(shape) >= 2 else None
         candidates = []
-        if self.vocab and classes:
+        if self.vocab and (classes or shape is None):  # None: no output without targets
             x_shape = list(self.input)
             x_shape.insert(self.batch_dim or 0, PROBE_BATCH)
-            high = min(self.vocab, classes)
+            high = min(self.vocab, classes or self.vocab)
             candidates.append((f"ids < {high} shaped like the input", x_shape,
                                self.batch_dim or 0, high))
+        if shape is None:
+            return candidates
         if len(shape) in (2, 3):
             target, high = shape[:-1], shape[-1]
         elif len(shape) >= 4:  # [batch, classes, H, W, ...]: a class per position
@@ -845,11 +855,28 @@ class ModuleStep:
                                target, at[0], high))
         return candidates
 
-    def _probe_own_loss(self, parameter, shape, where):
-        """Runs the forward with targets, as a loop that passes them does. The step trains
-        on the loss it returns with --loss own, or by default where the forward computes
-        more with targets than without (nanoGPT's computes the logits of the last position
-        only without them): the standard loss would size a smaller step than the user's."""
+    def _own_loss_alone(self, refused):
+        """The reply for a model that runs only with targets (probe_output's), or the
+        refusal it had: a detection model's targets are nothing a shape can make."""
+        parameter = self.targets_parameter
+        if self.batch_dim is None:
+            self.batch_dim = 0
+        failure = getattr(refused, "failure", None)
+        if failure is None:
+            raise refused  # not the forward's own failure (too many arguments, say)
+        own = self._probe_own_loss(parameter, None, None, failed=failure)
+        if "own_loss" not in own:
+            raise refused
+        return {"selected": "output", "heads": [], "targets_parameter": parameter,
+                "like_input": False, **own}
+
+    def _probe_own_loss(self, parameter, shape, where, failed=None):
+        """Runs the forward with targets, as a loop that passes them does, and trains on the
+        loss it returns (unless --loss names another): a forward that takes targets is
+        written to be given them. The standard loss on its output would size another step:
+        nanoGPT's forward computes the logits of the last position only without targets; a
+        Hugging Face model's loss upcasts bf16 logits to float32; an encoder-decoder's
+        forward fails without them (`failed`: how, where `shape` is None)."""
         torch = self.torch
         tried = []
         for words, target, batch_at, high in self._target_candidates(shape):
@@ -864,24 +891,31 @@ class ModuleStep:
             if found is None:
                 tried.append(f"{words}: no scalar loss in what it returned")
                 continue
-            trained, _ = _select_output(torch, out)
-            wanted = self.loss_requested == "own"
-            alone = found[1] == "output"  # what a loop given it can only train on
-            if not wanted and not alone and list(trained.shape) == shape:
-                return {}  # the same work with targets: the standard loss sizes it
+            trained, trained_where = _select_output(torch, out)
             self.own = own
-            if wanted:
+            if self.loss_requested == "own":
                 reason = None
-            elif alone:
+            elif failed is not None:
+                reason = (f"without {parameter} its forward fails ({failed}); given them it "
+                          f"returns the loss, which a loop that passes them trains on")
+            elif found[1] == "output":  # what a loop given them can only train on
                 reason = (f"given {parameter}, its forward returns the loss alone, which a "
                           f"loop that passes them trains on")
-            else:
+            elif list(trained.shape) != shape:
                 reason = (f"without {parameter} its forward returns {where} {shape}, not the "
                           f"{list(trained.shape)} it trains on with them: --loss ce computes "
                           f"cross-entropy on that instead")
+            else:
+                # The same logits either way, but not the same loss: a Hugging Face model's
+                # upcasts bf16 logits to float32 and keeps that copy's softmax for backward
+                # (about 2.5 times the memory of cross-entropy on the bf16 logits). A loop
+                # that passes the targets (Trainer's, the Hugging Face examples') trains on it.
+                reason = (f"a loop that passes {parameter} trains on the loss its forward "
+                          f"returns; --loss ce sizes cross-entropy on {where} instead, if "
+                          f"yours computes its own")
             reply = {"parameter": parameter, "targets": words, "returned": found[1],
                      "reason": reason}
-            return {"own_loss": reply, "shape": list(trained.shape),
+            return {"own_loss": reply, "shape": list(trained.shape), "selected": trained_where,
                     "dtype": str(trained.dtype).replace("torch.", ""), "heads": [],
                     "output_sample_bytes": _output_bytes(torch, out) // PROBE_BATCH}
         if self.loss_requested == "own":
@@ -989,11 +1023,14 @@ class ModuleStep:
         if self.targets_parameter is not None:
             # torchvision's detection models take targets=None and refuse to train without
             # them; their targets (boxes and labels per image) are nothing a shape can make.
-            return MaxBatchError(
+            # (`failure` for probe_output, which tries the forward with targets next.)
+            refused = MaxBatchError(
                 f"{self.name}(x) failed for x of shape {shape} ({what}): {failure}; "
                 f"{self.name}.forward also takes {self.targets_parameter}: if it needs them "
                 f"to train (a detection model does), %maxbatch MODULE cannot make them for "
                 f"you: {STEP_HINT}")
+            refused.failure = failure
+            return refused
         check = ("--input (the shape of one sample) and --vocab" if self.vocab else
                  "--input (the shape of one sample; --vocab N for token ids)")
         return MaxBatchError(
