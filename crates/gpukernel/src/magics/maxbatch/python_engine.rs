@@ -1104,8 +1104,9 @@ fn step_sample_bytes(trials: &[search::Trial]) -> Option<f64> {
 /// loop keeps it) may cost at the maximum, where that is a sample or more of the step's own
 /// memory and more than the search's tolerance: an LM's logits are [batch, seq, vocab] (206
 /// MB a sample for GPT-2 small in fp32), and a loop that drops them first (`loss = model(x,
-/// y)[1]`) fits more. "Up to": whether they count depends on whether the step peaks before
-/// the next forward replaces them.
+/// y)[1]`) fits more. The count is by bytes; the cache's fragmentation can add more
+/// (maxbatch-truth-2026-12-06f: a bf16 Llama's logits came to 3 samples and a loss-only loop
+/// fitted 7 more; nanoGPT's came to 2, and it fitted 2 more).
 fn held_output_note(sample_bytes: u64, max_fit: u64, step_sample_bytes: f64) -> Option<String> {
     let held = sample_bytes.saturating_mul(max_fit);
     let more = (held as f64 / step_sample_bytes).floor();
@@ -1117,8 +1118,9 @@ fn held_output_note(sample_bytes: u64, max_fit: u64, step_sample_bytes: f64) -> 
     Some(format!(
         "the last step's output, {} a sample ({} at {max_fit}), lives into the next step's \
          forward here, as `out = model(x)` or `logits, loss = model(x, y)` in a for loop keeps \
-         it; a loop that drops it first (`loss = model(x, y)[1]`, `del out`) can fit up to \
-         about {more} more: --step FN sizes yours exactly",
+         it; a loop that drops it first (`loss = model(x, y)[1]`, `model(**batch).loss`, `del \
+         out`) has that much more room, about {more} samples' worth, or more where the cache \
+         fragments less without it: --step FN sizes yours exactly",
         human_bytes(sample_bytes),
         human_bytes(held),
     ))
@@ -1278,7 +1280,7 @@ mod tests {
         // about 1.2 GB a sample, 15 fitted where a loop dropping the logits fitted 17.
         let note = held_output_note(206_045_184, 15, 1.25e9).expect("a note");
         assert!(note.contains("196 MiB a sample (2.88 GiB at 15)"), "{note}");
-        assert!(note.contains("can fit up to about 2 more"), "{note}");
+        assert!(note.contains("about 2 samples' worth, or more"), "{note}");
         // A ResNet-50's thousand scores a sample, against its 100 MB a sample: nothing to say.
         assert_eq!(held_output_note(4000, 2000, 1e8), None);
         assert_eq!(held_output_note(206_045_184, 15, 0.0), None);
@@ -1286,7 +1288,7 @@ mod tests {
         // the search settles to; a deep-supervised UNet's maps: 20 of 513, over it.
         assert_eq!(held_output_note(196_608, 583, 4.0e7), None);
         let maps = held_output_note(1_720_320, 513, 4.3e7).expect("a note");
-        assert!(maps.contains("up to about 20 more"), "{maps}");
+        assert!(maps.contains("about 20 samples' worth"), "{maps}");
         // That run's trials: 4 and 15 ran, 16 did not; 8 between.
         let trial = |batch, peak: Option<u64>| search::Trial {
             batch,
