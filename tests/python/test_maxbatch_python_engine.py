@@ -590,9 +590,12 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
     ("%maxbatch regress --input 5", "check --input (the shape of one sample; --vocab N for "
                                       "token ids), or if it takes more than one input"),
     ("%maxbatch detector --input 3x8x8", "targets should not be none when in training mode; "
-                                         "detector.forward also takes targets: if it needs "
-                                         "them to train (a detection model does), %maxbatch "
-                                         "MODULE cannot make them for you: write a function"),
+                                         "and with targets too (none could be made for this "
+                                         "input); check --input (the shape of one sample; "
+                                         "--vocab N for token ids), or if it needs its targets "
+                                         "in another form (a detection model's boxes and "
+                                         "labels per image) or more than one input: write a "
+                                         "function"),
     # Where the user's line is, not torch's frame that raised.
     ("%maxbatch --step overstepped_schedule", "in overstepped_schedule"),
 ])

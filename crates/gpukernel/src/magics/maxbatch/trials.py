@@ -669,6 +669,7 @@ class ModuleStep:
         # The model's own loss, when the step trains on it: the forward's targets argument
         # and how its targets are made (`_targets`).
         self.own = None
+        self.own_tried = []  # the targets tried on the forward, and what it said
         # Read once: every probe forward asks (a compiled model is probed eagerly with one).
         self.targets_parameter = self._targets_parameter()
         self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
@@ -866,7 +867,14 @@ class ModuleStep:
             raise refused  # not the forward's own failure (too many arguments, say)
         own = self._probe_own_loss(parameter, None, None, failed=failure)
         if "own_loss" not in own:
-            raise refused
+            # torchvision's detection models refuse to train without targets, and theirs
+            # (boxes and labels per image) are nothing a shape can make.
+            tried = ("; ".join(self.own_tried) if self.own_tried
+                     else "none could be made for this input")
+            raise MaxBatchError(
+                f"{refused.head}; and with {parameter} too ({tried}); check {refused.check}, or "
+                f"if it needs its {parameter} in another form (a detection model's boxes and "
+                f"labels per image) or more than one input: {STEP_HINT}")
         return {"selected": "output", "heads": [], "targets_parameter": parameter,
                 "like_input": False, **own}
 
@@ -878,7 +886,7 @@ class ModuleStep:
         Hugging Face model's loss upcasts bf16 logits to float32; an encoder-decoder's
         forward fails without them (`failed`: how, where `shape` is None)."""
         torch = self.torch
-        tried = []
+        tried = self.own_tried = []  # what each candidate's forward said, for a refusal
         for words, target, batch_at, high in self._target_candidates(shape):
             own = {"parameter": parameter, "targets": words, "shape": target,
                    "batch_at": batch_at, "high": high}
@@ -1020,22 +1028,14 @@ class ModuleStep:
                 f"{self.name}.forward needs {len(needed)} arguments ({', '.join(needed)}), "
                 f"while %maxbatch MODULE calls it with one tensor of --input: {STEP_HINT}")
         what = "token ids" if self.vocab else str(self.dtype).replace("torch.", "")
-        if self.targets_parameter is not None:
-            # torchvision's detection models take targets=None and refuse to train without
-            # them; their targets (boxes and labels per image) are nothing a shape can make.
-            # (`failure` for probe_output, which tries the forward with targets next.)
-            refused = MaxBatchError(
-                f"{self.name}(x) failed for x of shape {shape} ({what}): {failure}; "
-                f"{self.name}.forward also takes {self.targets_parameter}: if it needs them "
-                f"to train (a detection model does), %maxbatch MODULE cannot make them for "
-                f"you: {STEP_HINT}")
-            refused.failure = failure
-            return refused
+        head = f"{self.name}(x) failed for x of shape {shape} ({what}): {failure}"
         check = ("--input (the shape of one sample) and --vocab" if self.vocab else
                  "--input (the shape of one sample; --vocab N for token ids)")
-        return MaxBatchError(
-            f"{self.name}(x) failed for x of shape {shape} ({what}): {failure}; "
-            f"check {check}, or if it takes more than one input: {STEP_HINT}")
+        refused = MaxBatchError(f"{head}; check {check}, or if it takes more than one input: "
+                                f"{STEP_HINT}")
+        # For probe_output, which tries a forward that takes targets with them next.
+        refused.failure, refused.head, refused.check = failure, head, check
+        return refused
 
     def _autocast(self):
         import contextlib
