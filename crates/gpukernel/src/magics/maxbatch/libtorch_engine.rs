@@ -314,9 +314,12 @@ fn seq_first_note(module: &ExportedModule) -> Option<String> {
 fn input_notes(name: &str, module: &ExportedModule) -> Vec<String> {
     let targets = module.targets_parameter.as_deref().map(|p| {
         format!(
-            "{name}.forward takes {p}, and this engine calls it without: a model that computes \
-             less without them (nanoGPT's logits for the last position only) is sized on that; \
-             the python engine passes them where the forward computes more with them"
+            "{name}.forward takes {p}, and this engine calls it without and trains on its \
+             output's loss as planned here; the python engine (the default for a notebook \
+             variable) passes them and trains on the loss the forward returns, as a loop that \
+             passes them does: that can differ (nanoGPT computes the logits of its last \
+             position only without targets; a Hugging Face model's loss upcasts bf16 logits to \
+             float32)"
         )
     });
     seq_first_note(module).into_iter().chain(targets).collect()
