@@ -243,7 +243,16 @@ class Seq2Seq(torch.nn.Module):
         logits = self.head(encoded + self.emb(F.pad(labels, (1, 0))[:, :-1]))
         return F.cross_entropy(logits.reshape(-1, 30), labels.reshape(-1)), logits
 
-nano, labelled, seq2seq = NanoGPT(), LabelledClassifier(), Seq2Seq()
+# Its logits, or given labels the loss alone: traceable either way, for the libtorch engine.
+class Scored(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+    def forward(self, x, labels=None):
+        logits = self.lin(x)
+        return logits if labels is None else F.cross_entropy(logits, labels)
+
+nano, labelled, seq2seq, scored = NanoGPT(), LabelledClassifier(), Seq2Seq(), Scored()
 
 # A ViT whose encoder layers keep PyTorch's default batch_first=False, fed (batch, patches,
 # dim): it trains, attending across the samples of each batch.
@@ -477,6 +486,10 @@ def test_a_seq_first_model_is_fed_seq_first_and_the_report_says_so(notebook):
                                        "the classes ([batch, classes, length], as a 1-d "
                                        "convolution gives), say --target-classes 5)"),
     ("%maxbatch tagger --input 3x100 --target-classes 5", "cross-entropy over dimension 1 (5"),
+    # The libtorch engine cannot pass targets, and says what the python engine does instead.
+    ("%maxbatch scored --input 8 --engine libtorch", "scored.forward takes labels, and this "
+     "engine calls it without and trains on its output's loss as planned here; the python "
+     "engine (the default for a notebook variable) passes them"),
     # An output shaped like its float input is a reconstruction, on either engine.
     ("%maxbatch denoiser --input 3x8x8", "mean squared error against a random target (the "
      "output holds as many values as the input, as an autoencoder's or a denoiser's does; if "
@@ -583,6 +596,11 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
                                                "targets or labels or target)"),
     ("%maxbatch nano --input 16 --loss own --engine libtorch", "--loss own runs your model's "
                                                                "forward with targets"),
+    # nanoGPT returns (logits, None) without targets: no TorchScript copy, and what to do.
+    ("%maxbatch nano --input 16 --engine libtorch", "nor torch.jit.trace trace it (RuntimeError: "
+                                                    "Only tensors, lists, tuples of tensors, or "
+                                                    "dictionary of tensors can be output from "
+                                                    "traced functions): drop --engine libtorch"),
     ("%maxbatch seq_rnn --input 5x6 --batch-dim 3", "--batch-dim 3 is not a dimension of a "
                                                     "batch of --input 5x6: it goes from 0 to 2"),
     ("%maxbatch seq_rnn --input 5x6 --engine libtorch --batch-dim 1", "the libtorch engine puts "

@@ -35,13 +35,18 @@ def export(user_ns, name, shape, vocab, train=True):
             module.save(path)
         except Exception as err:  # TorchScript rejects much of Python: fall back to tracing
             if shape is None:
-                first = str(err).strip().splitlines()[:1]
                 raise ValueError(
-                    f"torch.jit.script cannot compile or save {name} ({type(err).__name__}: "
-                    f"{first[0] if first else ''}); pass --input SHAPE so it can be traced "
-                    "instead") from None
-            module, method = _trace(torch, obj, shape, vocab, train), "trace"
-            module.save(path)
+                    f"torch.jit.script cannot compile or save {name} ({_first_line(err)}); "
+                    "pass --input SHAPE so it can be traced instead") from None
+            try:
+                module, method = _trace(torch, obj, shape, vocab, train), "trace"
+                module.save(path)
+            except Exception as trace_err:  # nanoGPT's (logits, None): no trace returns None
+                raise ValueError(
+                    f"the libtorch engine runs a TorchScript copy of {name}, and "
+                    f"torch.jit.script cannot compile or save it ({_first_line(err)}), nor "
+                    f"torch.jit.trace trace it ({_first_line(trace_err)}): drop --engine "
+                    "libtorch, and the python engine runs it in your kernel as it is") from None
     except BaseException:
         os.unlink(path)
         raise
@@ -108,6 +113,11 @@ def _vocab(torch, module):
                   and next(m.parameters(False), None) is not None), None)
     embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
     return first.num_embeddings if isinstance(first, embeddings) else None
+
+
+def _first_line(err):
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
 def _trace(torch, module, shape, vocab, train):

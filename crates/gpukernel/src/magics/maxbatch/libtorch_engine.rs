@@ -216,9 +216,18 @@ fn search(
         let said = plugin
             .request(&Request::ValidateOnCpu(request.clone()))
             .map_err(failed)?;
+        // How this engine's step can differ from the user's loop is worth knowing before the
+        // search, as after it.
+        let notes: String = exported
+            .map(|e| input_notes(&name, &e.module))
+            .unwrap_or_default()
+            .iter()
+            .map(|n| format!("Note: {n}.\n"))
+            .collect();
         ctx.stdout(format!(
             "No CUDA GPU is visible to libtorch here, so there is no GPU memory to size against.\n\
-             Validated the model instead: {}.\nRun %maxbatch on a GPU machine for the search.\n",
+             Validated the model instead: {}.\n{notes}Run %maxbatch on a GPU machine for the \
+             search.\n",
             said.as_str().unwrap_or("ok")
         ));
         return Ok(());
