@@ -681,7 +681,9 @@ STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum",
              "gpt_compiled_step": "gptc", "hf_llama_step": "hfls", "gpt_sched_step": "gptsched",
              "hf_resnet50_cl_step": "rn50cl", "hf_t5_step": "t5", "hf_llama_bf16w_step": "llbw"}
 # What a new user might try first on a row's model, and the message they get (recorded as the
-# row's `first_try`): T5 takes two inputs, so MODULE mode has to point them to --step.
+# row's `first_try`): T5 makes its decoder's input from its labels, so before the standard
+# step passed labels (dcc51e5) MODULE mode refused it and pointed to --step; now it sizes T5
+# on its own loss, its labels shaped like the input, which the row's loop can compare.
 FIRST_TRY = {"hf_t5_step": "t5 --input 512"}
 
 
