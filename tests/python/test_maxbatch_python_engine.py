@@ -149,7 +149,6 @@ class Detector(torch.nn.Module):  # as torchvision's detection models: targets t
             raise AssertionError("targets should not be none when in training mode")
         return {"loss_box": self.conv(images).mean()}
 detector = Detector()
-# A denoiser: an RGB image in, one out; its 3 channels are not 3 classes.
 class DeepSup(torch.nn.Module):  # deep supervision, as nnU-Net: the map, then at half size
     def __init__(self):
         super().__init__()
@@ -168,6 +167,7 @@ class Vae(torch.nn.Module):  # as PyTorch's examples/vae: the image back flatten
         z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
         return torch.sigmoid(self.dec(z)), mu, logvar
 vae = Vae()
+# A denoiser: an RGB image in, one out; its 3 channels are not 3 classes.
 denoiser = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
                                torch.nn.Conv2d(8, 3, 3, padding=1))
 lazy = torch.nn.LazyLinear(2)
@@ -252,7 +252,20 @@ class Scored(torch.nn.Module):
         logits = self.lin(x)
         return logits if labels is None else F.cross_entropy(logits, labels)
 
+# Token ids in (1000 of them), 5 tags out, and no forward at all without its labels: the
+# probe's labels cannot come from the vocabulary, or they would be out of the tags' range.
+class NeedsLabels(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(1000, 8), torch.nn.Linear(8, 5)
+    def forward(self, input_ids, labels=None):
+        if labels is None:
+            raise ValueError("labels are required")
+        logits = self.head(self.emb(input_ids))
+        return F.cross_entropy(logits.reshape(-1, 5), labels.reshape(-1)), logits
+
 nano, labelled, seq2seq, scored = NanoGPT(), LabelledClassifier(), Seq2Seq(), Scored()
+needs_labels = NeedsLabels()
 
 # A ViT whose encoder layers keep PyTorch's default batch_first=False, fed (batch, patches,
 # dim): it trains, attending across the samples of each batch.
@@ -418,6 +431,13 @@ def test_an_lbfgs_model_is_stepped_with_a_closure_and_its_history_put_back(noteb
      "output['logits'] instead, if yours computes its own)"),
     ("%maxbatch labelled --input 8 --loss ce", "loss cross-entropy over the last dimension (3 "
      "classes); optimizer"),
+    # --target-classes asks for cross-entropy over them, not the model's own loss.
+    ("%maxbatch labelled --input 8 --target-classes 3", "loss cross-entropy over the last "
+     "dimension (3 classes); optimizer"),
+    # Labels below the head's 5 tags, not the vocabulary's 1000 (an index error on the CPU, a
+    # device-side assert on a GPU).
+    ("%maxbatch needs_labels --input 6 --vocab 1000", "labels ids < 5 shaped like the input "
+     "(without labels its forward fails (ValueError: labels are required)"),
     # An encoder-decoder makes its decoder's input from its labels: it runs only with them.
     ("%maxbatch seq2seq --input 6", "loss the model's own: seq2seq(x, labels=...) returns it at "
      "output[0], labels ids < 30 shaped like the input (without labels its forward fails "
@@ -797,6 +817,38 @@ def test_the_step_trains_on_the_loss_a_model_computes_from_its_targets(trials):
         assert seen and all(tuple(s) == logits for s in seen), (loss, seen)
         if loss != "ce":  # token ids in the vocabulary, shaped like the batch of input
             assert all(t.shape == (5, 12) and 0 <= t.min() and t.max() < 30 for t in targets)
+
+
+def test_the_held_output_is_counted_as_the_loop_holds_it(trials):
+    """What a forward's output keeps alive, a sample's share: every storage once, a Hugging
+    Face cache's keys and values too, and not the model's own weights returned with it; a
+    sparse tensor counted by its values, where it has no one storage."""
+    import torch
+
+    class Cache:  # transformers' DynamicCache since 4.56: layers holding keys and values
+        def __init__(self, keys, values):
+            self.layers = [type("Layer", (), {"keys": keys, "values": values})()]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.codebook = torch.nn.Parameter(torch.zeros(1000, 4))  # returned, fixed size
+        def forward(self, x):
+            y = self.lin(x)
+            return {"logits": y, "view": y[:, :2], "codebook": self.codebook,
+                    "cache": Cache(torch.zeros(x.shape[0], 8), torch.zeros(x.shape[0], 8)),
+                    "sparse": y.detach().to_sparse()}
+
+    model = Model()
+    out = model(torch.randn(2, 4))
+    sparse = out["sparse"]
+    expected = 2 * 4 * 4 + 2 * (2 * 8 * 4) + sparse.numel() * sparse.element_size()
+    assert trials._output_bytes(torch, out, model) == expected
+    ns = {"model": model}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4]})
+    assert reply["output"]["output_sample_bytes"] == expected // 2, reply
+    call(trials, ns, "close")
 
 
 def test_a_compiled_model_is_not_recompiled_to_watch_its_layers(trials):

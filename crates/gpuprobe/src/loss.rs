@@ -168,6 +168,11 @@ pub fn plan(
 /// `x` positions of `y` classes, a sequence model's; a 1-d convolution gives `[batch, classes,
 /// length]` instead. An output shaped like the input was taken as a reconstruction; a
 /// segmentation net with as many classes as input channels gives that shape too.
+/// The plan an output's shape alone gives, without the reconstruction reading.
+fn plan_of(shape: &[i64], vocab: Option<i64>) -> Result<LossPlan, LossError> {
+    plan(shape, None, None, vocab, false)
+}
+
 pub fn alternative(
     shape: &[i64],
     plan: &LossPlan,
@@ -175,9 +180,17 @@ pub fn alternative(
     like_input: bool,
 ) -> Option<String> {
     match (shape, plan) {
-        (_, LossPlan::Mse) if like_input && shape.len() >= 2 => Some(
-            "the output holds as many values as the input, as an autoencoder's or a denoiser's does; if they are class scores, say --loss ce".into(),
-        ),
+        // Only where the output would have read as classes: `--loss ce` is refused otherwise.
+        (_, LossPlan::Mse)
+            if like_input
+                && matches!(plan_of(shape, vocab), Ok(LossPlan::Ce { .. })) =>
+        {
+            Some(
+                "the output holds as many values as the input, as an autoencoder's or a \
+                 denoiser's does; if they are class scores, say --loss ce"
+                    .into(),
+            )
+        }
         // Where x == y, --target-classes x reads the last dimension again: no flag to offer.
         // Where x > y, x classes over a length of y is the unlikely reading: a sequence model
         // labels more positions than it has classes (a CTC head's 399 frames of 30 letters, a
@@ -294,6 +307,10 @@ mod tests {
             Ok(ce(21, 1))
         );
         assert_eq!(alternative(&[2, 1], &LossPlan::Mse, None, false), None);
+        // A grayscale denoiser's [2, 1, H, W], or Linear(1, 1): mean squared error either
+        // way, and --loss ce would be refused: no other reading to offer.
+        assert_eq!(alternative(&[2, 1, 8, 8], &LossPlan::Mse, None, true), None);
+        assert_eq!(alternative(&[2, 1], &LossPlan::Mse, None, true), None);
     }
 
     #[test]

@@ -288,6 +288,14 @@ impl Trainer {
             LossPlan::Ce { classes, class_dim } => {
                 let size = y.size();
                 let device = y.device();
+                // Below the tensor's own class count (a head's may differ from the main
+                // output's): out of range is a device-side assert, fatal to the CUDA context.
+                let own = if class_dim == 1 && size.len() > 2 {
+                    size[1]
+                } else {
+                    size.last().copied().unwrap_or(1)
+                };
+                let classes = classes.min(own).max(1);
                 if class_dim == 1 && size.len() > 2 {
                     let mut target_shape = vec![size[0]];
                     target_shape.extend(&size[2..]);

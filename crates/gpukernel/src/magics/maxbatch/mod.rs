@@ -152,9 +152,9 @@ pub(super) struct Args {
     /// model's first layer when it is an Embedding.
     #[arg(long, value_name = "VOCAB")]
     pub(super) vocab: Option<i64>,
-    /// The loss of the step (default: the model's own where its forward computes more when
-    /// given targets, as nanoGPT's does; else cross-entropy when the output looks like class
-    /// scores, else mse; the report says which).
+    /// The loss of the step (default: the model's own where its forward takes targets or
+    /// labels and returns a loss for them, as a loop written for it passes them; else
+    /// cross-entropy when the output looks like class scores, else mse; the report says which).
     #[arg(long, value_enum)]
     pub(super) loss: Option<Loss>,
     /// Classes the cross-entropy targets range over (picks the output's class dimension).

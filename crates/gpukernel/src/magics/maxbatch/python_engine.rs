@@ -137,8 +137,8 @@ struct OutputInfo {
 }
 
 /// The loss the model computes itself when given targets (`--loss own`, or by default where
-/// its forward computes more with them: nanoGPT's computes the logits of the last position
-/// only without targets).
+/// its forward takes them and returns a loss for them: nanoGPT's `targets`, a Hugging Face
+/// model's `labels`).
 #[derive(Debug, Clone, Deserialize)]
 struct OwnLoss {
     /// The forward's argument the targets go to.
@@ -348,7 +348,11 @@ pub(super) fn spec(args: &Args) -> Spec {
         optimizer_from: args.optimizer_from.clone(),
         inference: args.inference,
         device: args.device,
-        loss: args.loss.map(|l| l.name()),
+        // --target-classes asks for cross-entropy over them, not the model's own loss.
+        loss: args
+            .loss
+            .map(|l| l.name())
+            .or(args.target_classes.map(|_| "ce")),
     }
 }
 
@@ -466,12 +470,16 @@ fn search_on_gpu(
         confirmation: searched.confirmation,
         timings: None,
     };
-    findings
-        .notes
-        .extend(prepared.output.as_ref().and_then(|o| {
-            let step = step_sample_bytes(&findings.search.trials)?;
-            held_output_note(o.output_sample_bytes, findings.search.max_fit?, step)
-        }));
+    findings.notes.extend(
+        prepared
+            .output
+            .as_ref()
+            .filter(|_| !args.inference)
+            .and_then(|o| {
+                let step = step_sample_bytes(&findings.search.trials)?;
+                held_output_note(o.output_sample_bytes, findings.search.max_fit?, step)
+            }),
+    );
     if args.throughput {
         findings.throughput = Some(throughput(session, &live, &findings, trial_limit)?);
     }
@@ -1062,10 +1070,10 @@ fn loss_text(args: &Args, prepared: &Prepared, plan: &LossPlan) -> String {
         return text;
     };
     let text = o.inputs.describe(text);
-    match (&o.targets_parameter, args.loss) {
-        // The trials pass targets wherever the forward returns a loss for them; here it
-        // returned none for any %maxbatch could make.
-        (Some(p), None) => format!(
+    // The trials pass targets wherever the forward returns a loss for them, unless a loss
+    // was asked for; here it returned none for any %maxbatch could make.
+    match (&o.targets_parameter, guessed) {
+        (Some(p), true) => format!(
             "{text} (its forward also takes {p}, but gave no loss for the targets %maxbatch \
              could make: --step FN sizes a loop that passes yours)"
         ),

@@ -24,7 +24,8 @@ A trial is one of:
   previous step's output is still alive while the next forward runs. The probe's forward
   (``probe_output``) reads from the model what its loop feeds it: token ids for an Embedding
   the input reaches first, the batch on dim 1 for a seq-first layer, and targets for a
-  forward that computes more with them (nanoGPT), whose own loss the step then trains on.
+  forward that takes them (nanoGPT's `targets`, a Hugging Face model's `labels`), whose own
+  loss the step then trains on.
 
 A trial runs up to ``steps`` steps, and ends sooner, far below the limit, at the first step
 (from the second on) that leaves memory as the step before left it (``_run_steps``).
@@ -472,21 +473,42 @@ def _output_items(out):
     return []
 
 
-def _output_bytes(torch, out, depth=3):
+def _output_bytes(torch, out, model, depth=4):
     """The bytes the tensors of a forward's output hold (each storage once): what a loop's
-    `out = model(x)` keeps alive into the next step's forward."""
+    `out = model(x)` keeps alive into the next step's forward. A Hugging Face cache is walked
+    too; the model's own weights and buffers (returned as they are) are not counted, since
+    they do not grow with the batch."""
+    owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())
+             if t.layout == torch.strided and t.device.type != "meta"}
     storages = {}
 
     def walk(value, depth):
         if torch.is_tensor(value):
-            if value.device.type != "meta":
+            if value.device.type == "meta":
+                return
+            try:
                 storage = value.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
+                key, size = storage.data_ptr(), storage.nbytes()
+            except (NotImplementedError, RuntimeError):  # sparse or jagged: no one storage
+                key, size = id(value), value.numel() * value.element_size()
+            if key not in owned:
+                storages[key] = size
         elif depth > 0:
-            for _, v in _output_items(value):
+            for v in [v for _, v in _output_items(value)] or _cache_tensors(value):
                 walk(v, depth - 1)
     walk(out, depth)
     return sum(storages.values())
+
+
+def _cache_tensors(value):
+    """The keys and values a Hugging Face cache object holds (its `layers` since 4.56, its
+    `key_cache` and `value_cache` lists before), which a training forward returns with the
+    logits where the config's use_cache is on."""
+    layers = getattr(value, "layers", None)
+    if isinstance(layers, list):
+        return [t for layer in layers for t in (getattr(layer, "keys", None),
+                                                getattr(layer, "values", None))]
+    return [*(getattr(value, "key_cache", None) or []), *(getattr(value, "value_cache", None) or [])]
 
 
 def _select_output(torch, out):
@@ -783,7 +805,7 @@ class ModuleStep:
         reply = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
                  "selected": where, "heads": heads, "targets_parameter": parameter,
                  "like_input": self._like_input(tensor.shape),
-                 "output_sample_bytes": _output_bytes(torch, out) // PROBE_BATCH}
+                 "output_sample_bytes": _output_bytes(torch, out, self.model) // PROBE_BATCH}
         if parameter is not None and self.loss_requested in (None, "own"):
             tensor = out = None  # their graph goes before the forward with targets
             reply.update(self._probe_own_loss(parameter, reply["shape"], where))
@@ -805,7 +827,8 @@ class ModuleStep:
         import math
         if self.vocab or self.input is None or len(shape) < 2:
             return False
-        return shape[0] == PROBE_BATCH and math.prod(shape) == PROBE_BATCH * math.prod(self.input)
+        return (shape[self.batch_dim or 0] == PROBE_BATCH
+                and math.prod(shape) == PROBE_BATCH * math.prod(self.input))
 
     def _forward_signature(self):
         """The forward's signature: the model's own under torch.compile (whose wrapper takes
@@ -835,10 +858,12 @@ class ModuleStep:
         context of the user's process, where a wrong shape is an ordinary exception."""
         classes = shape[-1] if shape is not None and len(shape) >= 2 else None
         candidates = []
-        if self.vocab and (classes or shape is None):  # None: no output without targets
+        if self.vocab and (classes or shape is None):
             x_shape = list(self.input)
             x_shape.insert(self.batch_dim or 0, PROBE_BATCH)
-            high = min(self.vocab, classes or self.vocab)
+            # None: no output without targets, so no class count yet: the probe's targets
+            # are zeros, in range whatever the head's size (`_probe_own_loss` reads it then).
+            high = min(self.vocab, classes) if classes else 1
             candidates.append((f"ids < {high} shaped like the input", x_shape,
                                self.batch_dim or 0, high))
         if shape is None:
@@ -900,13 +925,16 @@ class ModuleStep:
                 tried.append(f"{words}: no scalar loss in what it returned")
                 continue
             trained, trained_where = _select_output(torch, out)
+            if shape is None:  # probed with zeros: the ids the trials draw stay below both
+                own["high"] = min(self.vocab, trained.shape[-1]) if trained.dim() else 1
+                own["targets"] = words = f"ids < {own['high']} shaped like the input"
             self.own = own
             if self.loss_requested == "own":
                 reason = None
             elif failed is not None:
                 reason = (f"without {parameter} its forward fails ({failed}); given them it "
                           f"returns the loss, which a loop that passes them trains on")
-            elif found[1] == "output":  # what a loop given them can only train on
+            elif found[1] == "output" or trained is found[0]:  # all a loop given them has
                 reason = (f"given {parameter}, its forward returns the loss alone, which a "
                           f"loop that passes them trains on")
             elif list(trained.shape) != shape:
@@ -925,7 +953,7 @@ class ModuleStep:
                      "reason": reason}
             return {"own_loss": reply, "shape": list(trained.shape), "selected": trained_where,
                     "dtype": str(trained.dtype).replace("torch.", ""), "heads": [],
-                    "output_sample_bytes": _output_bytes(torch, out) // PROBE_BATCH}
+                    "output_sample_bytes": _output_bytes(torch, out, self.model) // PROBE_BATCH}
         if self.loss_requested == "own":
             raise MaxBatchError(
                 f"--loss own: {self.name}(x, {parameter}=...) gave no loss ("
@@ -1059,11 +1087,14 @@ class ModuleStep:
         F = torch.nn.functional
         plan = self.loss_plan or {"kind": "mean"}
         if plan["kind"] == "ce":
-            classes = plan["classes"]
+            # Targets stay below the tensor's own class count (a head's may differ from the
+            # main output's): out of range is a device-side assert, fatal to the CUDA context.
             if plan.get("class_dim", -1) == 1 and tensor.dim() > 2:
+                classes = min(plan["classes"], tensor.shape[1])
                 target = torch.randint(0, classes, (tensor.shape[0], *tensor.shape[2:]),
                                        device=tensor.device)
                 return F.cross_entropy(tensor, target)
+            classes = min(plan["classes"], tensor.shape[-1])
             target = torch.randint(0, classes, tensor.shape[:-1], device=tensor.device)
             return F.cross_entropy(tensor.reshape(-1, tensor.shape[-1]), target.reshape(-1))
         if plan["kind"] == "mse":
