@@ -627,6 +627,15 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
                                                                        "the batch first"),
     ("%maxbatch regress --input 5", "check --input (the shape of one sample; --vocab N for "
                                       "token ids), or if it takes more than one input"),
+    # A forward that needs its labels, told not to take the model's own loss: what to drop.
+    ("%maxbatch seq2seq --input 6 --loss ce", "decoder_inputs_embeds; seq2seq.forward also "
+                                              "takes labels, which --loss ce does not pass: "
+                                              "drop --loss to train on the loss it returns"),
+    ("%maxbatch detector --input 3x8x8 --loss own", "--loss own: detector(x, targets=...) gave "
+                                                    "no loss (no targets to try for this "
+                                                    "output), and without targets it fails "
+                                                    "(AssertionError: targets should not be "
+                                                    "none when in training mode)"),
     ("%maxbatch detector --input 3x8x8", "targets should not be none when in training mode; "
                                          "and with targets too (none could be made for this "
                                          "input); check --input (the shape of one sample; "

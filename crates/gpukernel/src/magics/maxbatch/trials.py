@@ -790,8 +790,13 @@ class ModuleStep:
             # An encoder-decoder (T5, BART) makes its decoder's input from its labels: without
             # them its forward fails, with them it trains.
             if (self.inference or self.targets_parameter is None
-                    or self.loss_requested not in (None, "own")):
+                    or getattr(refused, "failure", None) is None):
                 raise
+            if self.loss_requested not in (None, "own"):
+                raise MaxBatchError(
+                    f"{refused.head}; {self.name}.forward also takes {self.targets_parameter}, "
+                    f"which --loss {self.loss_requested} does not pass: drop --loss to train on "
+                    f"the loss it returns given them, or {STEP_HINT}") from None
             return self._own_loss_alone(refused)
         if self.batch_dim is None:
             self.batch_dim = 0
@@ -957,7 +962,9 @@ class ModuleStep:
         if self.loss_requested == "own":
             raise MaxBatchError(
                 f"--loss own: {self.name}(x, {parameter}=...) gave no loss ("
-                f"{'; '.join(tried) or 'no targets to try for this output'}): {STEP_HINT}")
+                f"{'; '.join(tried) or 'no targets to try for this output'})"
+                + (f", and without {parameter} it fails ({failed})" if failed else "")
+                + f": {STEP_HINT}")
         return {}
 
     def _targets(self, own, batch):
