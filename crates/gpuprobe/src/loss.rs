@@ -98,8 +98,9 @@ pub enum LossError {
 /// - `requested` (`--loss`) wins; `None` infers: cross-entropy when the output looks like class
 ///   scores, else mean squared error.
 /// - An output that holds a float input again, sample for sample (`like_input`: its shape, or
-///   flattened) is a reconstruction: an autoencoder's, a denoiser's, a diffusion model's noise. Its loss is mean squared error,
-///   though `[batch, 3, H, W]` would also read as three classes per pixel.
+///   flattened) is a reconstruction: an autoencoder's, a denoiser's, a diffusion model's
+///   noise. Its loss is mean squared error, though `[batch, 3, H, W]` would also read as three
+///   classes per pixel.
 /// - Class scores: the last dimension when it is `target_classes` or `vocab`, or the output is
 ///   `[batch, classes]` / `[batch, seq, classes]`; dimension 1 of `[batch, C, H, W, ...]` (a
 ///   segmentation map) when C > 1. A last dimension of 1 is a regression.
@@ -163,16 +164,16 @@ pub fn plan(
     }
 }
 
-/// What to say when [`plan`] had to choose between two readings of the output on its own (no
-/// `--loss`, `--target-classes` or vocabulary to go by): a `[batch, x, y]` output is taken as
-/// `x` positions of `y` classes, a sequence model's; a 1-d convolution gives `[batch, classes,
-/// length]` instead. An output shaped like the input was taken as a reconstruction; a
-/// segmentation net with as many classes as input channels gives that shape too.
 /// The plan an output's shape alone gives, without the reconstruction reading.
 fn plan_of(shape: &[i64], vocab: Option<i64>) -> Result<LossPlan, LossError> {
     plan(shape, None, None, vocab, false)
 }
 
+/// What to say when [`plan`] had to choose between two readings of the output on its own (no
+/// `--loss`, `--target-classes` or vocabulary to go by): a `[batch, x, y]` output is taken as
+/// `x` positions of `y` classes, a sequence model's; a 1-d convolution gives `[batch, classes,
+/// length]` instead. An output shaped like the input was taken as a reconstruction; a
+/// segmentation net with as many classes as input channels gives that shape too.
 pub fn alternative(
     shape: &[i64],
     plan: &LossPlan,

@@ -63,6 +63,16 @@ class MaxBatchError(Exception):
     """A problem with what the user asked for, said in a way they can act on."""
 
 
+class _ForwardFailed(MaxBatchError):
+    """The probe's forward failed on the input alone: `failure` (the exception's first line),
+    and the parts of the message a refusal that tried targets next is built from."""
+
+    def __init__(self, failure, head, check):
+        super().__init__(f"{head}; check {check}, or if it takes more than one input: "
+                         f"{STEP_HINT}")
+        self.failure, self.head, self.check = failure, head, check
+
+
 def _a(obj):
     """'a list', 'an int': the article and the name of an object's type."""
     name = "Python module" if isinstance(obj, type(sys)) else type(obj).__name__
@@ -790,7 +800,7 @@ class ModuleStep:
             # An encoder-decoder (T5, BART) makes its decoder's input from its labels: without
             # them its forward fails, with them it trains.
             if (self.inference or self.targets_parameter is None
-                    or getattr(refused, "failure", None) is None):
+                    or not isinstance(refused, _ForwardFailed)):
                 raise
             if self.loss_requested not in (None, "own"):
                 raise MaxBatchError(
@@ -887,15 +897,13 @@ class ModuleStep:
         return candidates
 
     def _own_loss_alone(self, refused):
-        """The reply for a model that runs only with targets (probe_output's), or the
-        refusal it had: a detection model's targets are nothing a shape can make."""
+        """The reply for a model that runs only with targets (probe_output's), or a refusal
+        built on `refused` (the `_ForwardFailed` without them): a detection model's targets
+        are nothing a shape can make."""
         parameter = self.targets_parameter
         if self.batch_dim is None:
             self.batch_dim = 0
-        failure = getattr(refused, "failure", None)
-        if failure is None:
-            raise refused  # not the forward's own failure (too many arguments, say)
-        own = self._probe_own_loss(parameter, None, None, failed=failure)
+        own = self._probe_own_loss(parameter, None, None, failed=refused.failure)
         if "own_loss" not in own:
             # torchvision's detection models refuse to train without targets, and theirs
             # (boxes and labels per image) are nothing a shape can make.
@@ -1066,11 +1074,7 @@ class ModuleStep:
         head = f"{self.name}(x) failed for x of shape {shape} ({what}): {failure}"
         check = ("--input (the shape of one sample) and --vocab" if self.vocab else
                  "--input (the shape of one sample; --vocab N for token ids)")
-        refused = MaxBatchError(f"{head}; check {check}, or if it takes more than one input: "
-                                f"{STEP_HINT}")
-        # For probe_output, which tries a forward that takes targets with them next.
-        refused.failure, refused.head, refused.check = failure, head, check
-        return refused
+        return _ForwardFailed(failure, head, check)
 
     def _autocast(self):
         import contextlib
