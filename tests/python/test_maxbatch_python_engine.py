@@ -1723,3 +1723,22 @@ def test_a_step_that_draws_from_the_users_dataloader_leaves_it_drawing_the_same(
     assert torch.equal(first_batch(), expected)
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     assert len(opt.state) == 0
+
+
+def test_a_compiled_module_is_said_to_be_stepped_compiled(notebook):
+    """The trials run a torch.compile'd module's graphs, as the user's loop does; the report
+    says so, and what a new batch size may cost."""
+    _, kc = notebook
+    # Made under a forked generator: the notebook's own must stay as `before` saw it.
+    reply, _ = execute(kc, "with torch.random.fork_rng():\n"
+                       "    compiled_seg = torch.compile(Seg(), backend='eager')", timeout=60)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    try:
+        text = report_of(kc, "%maxbatch compiled_seg --input 3x8x8")
+        assert ("a standard step of compiled_seg (compiled by torch.compile: a new batch size "
+                "may compile again, before its trial's steps)") in text, text
+        plain = report_of(kc, "%maxbatch seg --input 3x8x8")
+        assert "compiled" not in plain, plain
+    finally:
+        execute(kc, "del compiled_seg", timeout=60)
+    assert_untouched(kc)

@@ -94,6 +94,10 @@ struct Described {
     weights_dtype: Option<String>,
     #[serde(default)]
     grad_scaler: bool,
+    /// The module is a `torch.compile` wrapper: the trials run its compiled graphs, as the
+    /// user's loop does, compiling again where a new batch size asks for it.
+    #[serde(default)]
+    compiled: bool,
     /// Optimizers that had not stepped yet: the first trial creates their state.
     #[serde(default)]
     optimizers_without_state: Vec<String>,
@@ -999,9 +1003,15 @@ fn assumptions(
             } else {
                 ""
             };
+            let compiled = if d.compiled {
+                " (compiled by torch.compile: a new batch size may compile again, before its \
+                 trial's steps)"
+            } else {
+                ""
+            };
             format!(
-                "a standard step of {}: zero_grad, forward, loss, backward{scaler}, optimizer \
-                 step; {STEPS_PER_TRIAL} steps per trial (two far below the limit when the \
+                "a standard step of {}{compiled}: zero_grad, forward, loss, backward{scaler}, \
+                 optimizer step; {STEPS_PER_TRIAL} steps per trial (two far below the limit when the \
                  second leaves memory as the first did), the last output alive into the next \
                  step as in a for loop; at the limit your own loop can differ by a sample or two \
                  (the order it frees memory in): --step FN sizes your own step exactly",

@@ -402,7 +402,7 @@ fn summary_json(f: &Findings) -> serde_json::Value {
 /// optimizer, input), each indented and ending in a newline.
 pub(super) fn assumption_lines(a: &Assumptions) -> String {
     let engine = match a.engine {
-        EngineKind::Python => "python (your Python kernel, eager)",
+        EngineKind::Python => "python (in your Python kernel)",
         EngineKind::Libtorch => "libtorch (in gpukernel)",
     };
     let mut assumed = vec![format!("precision {}", a.precision)];

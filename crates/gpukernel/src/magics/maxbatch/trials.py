@@ -1199,7 +1199,9 @@ class ModuleStep:
                 "input_dtype": "int64 token ids" if self.vocab else
                 str(self.dtype).replace("torch.", ""),
                 "parameters": sum(p.numel() for p in self.model.parameters()),
-                "grad_scaler": self.scaler is not None}
+                "grad_scaler": self.scaler is not None,
+                "compiled": isinstance(getattr(self.model, "_orig_mod", None),
+                                       self.torch.nn.Module)}
 
 
 class FunctionStep:
