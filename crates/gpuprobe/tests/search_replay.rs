@@ -1,21 +1,22 @@
 //! The search replayed against memory curves measured in users' own training loops on an H200
-//! (`bench/gpu/maxbatch_truth.py`, committed under `bench/results/`: the runs named in `RUNS`,
-//! every one that recorded the truth's curve up to 2026-12-04f, 112 model runs of 17 models
-//! whose maxima moved between runs). Each curve is the peak allocated and reserved bytes of the
+//! and an H100 (`bench/gpu/maxbatch_truth.py`, committed under `bench/results/`: the runs named
+//! in `RUNS`, every one that recorded the truth's curve up to 2026-12-06k, 175 model runs of 37
+//! models whose maxima moved between runs; the first 112 runs, of 17 models, up to 2026-12-04f). Each curve is the peak allocated and reserved bytes of the
 //! notebook's loop at a set of batch sizes, and its true maximum from an exact bisection of that
 //! loop. A replayed trial interpolates the curve; a batch above the true maximum runs out of
 //! memory. The search targets hold here: every answer within 1.5% below the truth, at
-//! most 10 trials, 6 in the median. Its time target (a third of Lightning's double-then-bisect
-//! to the exact maximum) does not: by the cost model below the search alone costs 0.377 of the
-//! baseline's compute on the same curves, and 0.481 with the trial %maxbatch adds to run its
-//! recommendation (unless the search ran that batch). Both are guarded at their level, not
+//! most 10 trials, 6 in the median (7 with the trial that runs the recommendation). Its time
+//! target (a third of Lightning's double-then-bisect to the exact maximum) does not: by the
+//! cost model below the search alone costs 0.387 of the baseline's compute on the same curves,
+//! and 0.491 with the trial %maxbatch adds to run its recommendation (unless the search ran
+//! that batch); 0.377 and 0.481 on the first 112 runs. Both are guarded at their level, not
 //! passed off as the target. (On the 18 survey curves alone they were 0.340 and 0.450; biasing
 //! the closing bisection towards the top, where a failure is cheaper than a fit, moved them by
 //! under 0.01 either way, 2026-12-04.)
 //!
 //! What the rest of the cost buys (2026-12-05): a search that knew each true maximum would,
-//! after the same two openings, spend 0.187 of the baseline's (one fit within the tolerance,
-//! one failure just above; printed by the test). The search's extra is the price of not
+//! after the same two openings, spend 0.189 of the baseline's (0.187 on the first 112 runs):
+//! one fit within the tolerance and one failure just above, printed by the test. The search's extra is the price of not
 //! knowing where the cache's fragmentation puts the limit: on these curves the true maximum
 //! lies from 0.13 to 0.87 of the way up the band the openings' line gives (10th to 90th
 //! percentile), and the openings' cache overhead (reserved over allocated at the second)
@@ -65,7 +66,7 @@ struct Held {
 
 /// The runs replayed, named so that a new run committed under bench/results changes nothing
 /// here until it is added (and the levels below measured again).
-const RUNS: [&str; 18] = [
+const RUNS: [&str; 35] = [
     "maxbatch-survey-2026-12-03-run2.json",
     "maxbatch-survey-2026-12-03.json",
     "maxbatch-truth-2026-12-03-run2a.json",
@@ -84,6 +85,23 @@ const RUNS: [&str; 18] = [
     "maxbatch-truth-2026-12-04d.json",
     "maxbatch-truth-2026-12-04e.json",
     "maxbatch-truth-2026-12-04f.json",
+    "maxbatch-truth-2026-12-04g.json",
+    "maxbatch-truth-2026-12-04h.json",
+    "maxbatch-truth-2026-12-04i.json",
+    "maxbatch-truth-2026-12-04j.json",
+    "maxbatch-truth-2026-12-04k.json",
+    "maxbatch-truth-2026-12-04l.json",
+    "maxbatch-truth-2026-12-06.json",
+    "maxbatch-truth-2026-12-06b.json",
+    "maxbatch-truth-2026-12-06c.json",
+    "maxbatch-truth-2026-12-06d.json",
+    "maxbatch-truth-2026-12-06e.json",
+    "maxbatch-truth-2026-12-06f.json",
+    "maxbatch-truth-2026-12-06g.json",
+    "maxbatch-truth-2026-12-06h.json",
+    "maxbatch-truth-2026-12-06i.json",
+    "maxbatch-truth-2026-12-06j.json",
+    "maxbatch-truth-2026-12-06k.json",
 ];
 
 fn surveys() -> Vec<(PathBuf, Survey)> {
@@ -205,7 +223,8 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
                 .collect();
             points.sort_unstable();
             points.dedup_by_key(|p| p.0);
-            assert!(points.len() >= 3, "{}: too few points", row.model);
+            // Two points interpolate; a small maximum (nanoGPT's 15) leaves the truth no more.
+            assert!(points.len() >= 2, "{}: too few points", row.model);
             let truth = row.true_max;
             let config = SearchConfig {
                 limit,
@@ -285,11 +304,11 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
     // The third is not met, by the search alone or with the confirming trial (a trial
     // near the maximum): guards against regressions at the levels measured, not the target.
     assert!(
-        search_only <= 0.38,
+        search_only <= 0.39,
         "cost {search_only:.3} of the baseline's"
     );
     assert!(
-        confirmed <= 0.485,
+        confirmed <= 0.495,
         "cost with the confirming trial {confirmed:.3}"
     );
 }
