@@ -10,7 +10,7 @@ use super::{Args, SearchKind};
 use crate::magics::python::{module_call_expression, Bound, EvalError, PythonKernel};
 use crate::magics::{MagicContext, MagicError, Output};
 use gpuprobe::loss::{self, LossInputs, LossPlan};
-use gpuprobe::search::{self, Outcome, SearchConfig, Stop};
+use gpuprobe::search::{self, Outcome, SearchConfig, SearchResult, Stop};
 use gpuprobe::units::human_bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -474,22 +474,23 @@ fn search_on_gpu(
         confirmation: searched.confirmation,
         timings: None,
     };
-    findings.notes.extend(
-        prepared
-            .output
-            .as_ref()
-            .filter(|_| !args.inference)
-            .and_then(|o| {
-                let step = step_sample_bytes(&findings.search.trials)?;
-                held_output_note(o.output_sample_bytes, findings.search.max_fit?, step)
-            }),
-    );
+    findings
+        .notes
+        .extend(output_note(args, prepared, &findings.search));
     if args.throughput {
         findings.throughput = Some(throughput(session, &live, &findings, trial_limit)?);
     }
     findings.after = close_line(session, spec.kind == "step");
     findings.timings = Some(session.timings.borrow().clone());
     Ok(findings)
+}
+
+/// The note on what the standard step's held output costs, where it matters (not for a
+/// forward-only search, which keeps no output into a next step).
+fn output_note(args: &Args, prepared: &Prepared, search: &SearchResult) -> Option<String> {
+    let output = prepared.output.as_ref().filter(|_| !args.inference)?;
+    let step = step_sample_bytes(&search.trials)?;
+    held_output_note(output.output_sample_bytes, search.max_fit?, step)
 }
 
 /// What the trials leave as it was: the state `trials.py` snapshots (modules with their
@@ -983,7 +984,6 @@ fn assumptions(
     prepared: &Prepared,
     loss: Option<&LossPlan>,
 ) -> Assumptions {
-    let d = &prepared.describe;
     let (step, precision, input) = if spec.kind == "step" {
         (
             format!(
@@ -995,58 +995,10 @@ fn assumptions(
             None,
         )
     } else {
-        let what = if args.inference {
-            "forward only (no gradients)".to_string()
-        } else {
-            let scaler = if d.grad_scaler {
-                " through a GradScaler"
-            } else {
-                ""
-            };
-            let compiled = if d.compiled {
-                " (compiled by torch.compile: a new batch size may compile again, before its \
-                 trial's steps)"
-            } else {
-                ""
-            };
-            format!(
-                "a standard step of {}{compiled}: zero_grad, forward, loss, backward{scaler}, \
-                 optimizer step; {STEPS_PER_TRIAL} steps per trial (two far below the limit when the \
-                 second leaves memory as the first did), the last output alive into the next \
-                 step as in a for loop; at the limit your own loop can differ by a sample or two \
-                 (the order it frees memory in): --step FN sizes your own step exactly",
-                spec.target
-            )
-        };
-        let precision = match args.amp {
-            Some(amp) => format!("{} autocast over your weights' dtype", amp.name()),
-            // Token ids are the input's dtype, not the step's: the weights' says how it computes.
-            None => d
-                .weights_dtype
-                .clone()
-                .or_else(|| d.input_dtype.clone())
-                .unwrap_or_else(|| "your model's dtype".into()),
-        };
-        let shape = spec
-            .input
-            .as_ref()
-            .map(|s| super::shape_text(s))
-            .unwrap_or_default();
-        let tokens = match (&d.vocab, &d.vocab_from) {
-            (Some(v), Some(from)) => format!(", token ids < {v} (from the model's {from})"),
-            (Some(v), None) => format!(", token ids < {v}"),
-            _ => String::new(),
-        };
-        let output = prepared
-            .output
-            .as_ref()
-            .map(|o| format!(", {} {:?} {}", o.inputs.selected, o.shape, o.dtype))
-            .unwrap_or_default();
-        let batch = batch_dim_text(d.batch_dim, d.batch_dim_from.as_deref());
         (
-            what,
-            precision,
-            Some(format!("{shape} per sample{batch}{tokens}{output}")),
+            standard_step_text(args, spec, &prepared.describe),
+            standard_precision(args, &prepared.describe),
+            Some(standard_input_text(spec, prepared)),
         )
     };
     Assumptions {
@@ -1057,9 +1009,70 @@ fn assumptions(
             None => loss.map(|plan| loss_text(args, prepared, plan)),
         },
         precision,
-        optimizer: d.optimizer.clone(),
+        optimizer: prepared.describe.optimizer.clone(),
         input,
     }
+}
+
+/// What the standard step built from a module runs.
+fn standard_step_text(args: &Args, spec: &Spec, d: &Described) -> String {
+    if args.inference {
+        return "forward only (no gradients)".to_string();
+    }
+    let scaler = if d.grad_scaler {
+        " through a GradScaler"
+    } else {
+        ""
+    };
+    let compiled = if d.compiled {
+        " (compiled by torch.compile: a new batch size may compile again, before its trial's \
+         steps)"
+    } else {
+        ""
+    };
+    format!(
+        "a standard step of {}{compiled}: zero_grad, forward, loss, backward{scaler}, optimizer \
+         step; {STEPS_PER_TRIAL} steps per trial (two far below the limit when the second \
+         leaves memory as the first did), the last output alive into the next step as in a for \
+         loop; at the limit your own loop can differ by a sample or two (the order it frees \
+         memory in): --step FN sizes your own step exactly",
+        spec.target
+    )
+}
+
+/// The standard step's precision: the autocast asked for, else the weights' dtype.
+fn standard_precision(args: &Args, d: &Described) -> String {
+    match args.amp {
+        Some(amp) => format!("{} autocast over your weights' dtype", amp.name()),
+        // Token ids are the input's dtype, not the step's: the weights' says how it computes.
+        None => d
+            .weights_dtype
+            .clone()
+            .or_else(|| d.input_dtype.clone())
+            .unwrap_or_else(|| "your model's dtype".into()),
+    }
+}
+
+/// One sample as the standard step feeds it, and the output it reads.
+fn standard_input_text(spec: &Spec, prepared: &Prepared) -> String {
+    let d = &prepared.describe;
+    let shape = spec
+        .input
+        .as_ref()
+        .map(|s| super::shape_text(s))
+        .unwrap_or_default();
+    let tokens = match (&d.vocab, &d.vocab_from) {
+        (Some(v), Some(from)) => format!(", token ids < {v} (from the model's {from})"),
+        (Some(v), None) => format!(", token ids < {v}"),
+        _ => String::new(),
+    };
+    let output = prepared
+        .output
+        .as_ref()
+        .map(|o| format!(", {} {:?} {}", o.inputs.selected, o.shape, o.dtype))
+        .unwrap_or_default();
+    let batch = batch_dim_text(d.batch_dim, d.batch_dim_from.as_deref());
+    format!("{shape} per sample{batch}{tokens}{output}")
 }
 
 /// The loss as the report states it; where it was inferred from the output alone and another
