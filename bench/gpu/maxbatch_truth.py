@@ -591,6 +591,12 @@ ROWS = {
     "gpt_compiled_step": ("make('gptc', GPT, tokens(32000, 512)); "
                           "models['gptc'] = torch.compile(models['gptc'])",
                           "--step gpt_compiled_step --trial-timeout 300", False),
+    # The notebook's model itself compiled (not a --step): `%maxbatch` on the compiled module,
+    # whose standard step runs its compiled graphs as the loop does (2026-12-06).
+    "gpt_compiled_module": ("make('gpt_compiled_module', GPT, tokens(32000, 512)); "
+                            "models['gpt_compiled_module'] = gpt_compiled_module = "
+                            "torch.compile(models['gpt_compiled_module'])",
+                            "gpt_compiled_module --input 512 --trial-timeout 300", False),
     # The Hugging Face rows below train in a loop that computes cross-entropy on the logits
     # itself, so they ask for that loss (`--loss ce`, added 2026-12-06): since then the
     # standard step trains a model whose forward takes labels on the loss it returns, as a
