@@ -72,6 +72,31 @@ class Regress(torch.nn.Module):
     def forward(self, x):
         return self.lin(x)
 
+class MaskedAE(torch.nn.Module):  # MAE's forward(imgs) -> (loss, pred, mask), no targets
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = torch.nn.Linear(12, 8), torch.nn.Linear(8, 12)
+    def forward(self, imgs, mask_ratio=0.75):
+        patches = imgs.flatten(2).transpose(1, 2)
+        pred = self.dec(self.enc(patches).relu())
+        mask = (torch.rand(patches.shape[:2]) < mask_ratio).float()
+        loss = (((pred - patches) ** 2).mean(-1) * mask).sum() / mask.sum().clamp(min=1)
+        return loss, pred, mask
+
+class WithAuxLoss(torch.nn.Module):  # a mixture of experts' (logits, aux_loss)
+    def __init__(self):
+        super().__init__()
+        self.gate, self.head = torch.nn.Linear(8, 4), torch.nn.Linear(8, 6)
+    def forward(self, x):
+        return self.head(x), self.gate(x).softmax(-1).square().mean()
+
+class LossItself(torch.nn.Module):  # a diffusion wrapper's forward(x): the loss
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 8)
+    def forward(self, x):
+        return (self.net(x + torch.randn_like(x)) - x).square().mean()
+
 lm = TinyLM()
 opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -83,6 +108,7 @@ for _ in range(2):
     opt.step(); sched.step()
 lm.drop.eval()
 seg, seg_aux, traced_aux, regress = Seg(), SegAux(), TracedAux(), Regress()
+mae, with_aux, loss_itself = MaskedAE(), WithAuxLoss(), LossItself()
 # BatchNorm after global pooling, as DeepLabV3's pooled branch: one sample per batch fails it
 pooled_bn = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1),
                                 torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4, 5))
@@ -612,8 +638,9 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
     ("%maxbatch on_meta --input 8", "2 of on_meta's 2 weights and buffers are on the meta "
                                     "device"),
     ("%maxbatch lazy --input 8", "lazy has lazy modules not initialized yet"),
-    ("%maxbatch regress --input 8 --loss own", "regress.forward takes none (no optional "
-                                               "targets or labels or target)"),
+    ("%maxbatch regress --input 8 --loss own", "regress.forward takes no targets (no optional "
+                                               "targets or labels or target) and returns no "
+                                               "such loss"),
     ("%maxbatch nano --input 16 --loss own --engine libtorch", "--loss own runs your model's "
                                                                "forward with targets"),
     # nanoGPT returns (logits, None) without targets: no TorchScript copy, and what to do.
@@ -826,6 +853,53 @@ def test_the_step_trains_on_the_loss_a_model_computes_from_its_targets(trials):
         assert seen and all(tuple(s) == logits for s in seen), (loss, seen)
         if loss != "ce":  # token ids in the vocabulary, shaped like the batch of input
             assert all(t.shape == (5, 12) and 0 <= t.min() and t.max() < 30 for t in targets)
+
+
+def test_the_step_trains_on_the_loss_a_model_computes_from_its_output(trials):
+    """A masked autoencoder returns (loss, pred, mask) without targets: the step's backward
+    runs from that loss (which reads only pred's first feature here, so the decoder's other
+    rows get no gradient), unless a --loss names another; a scalar beside logits that do not
+    flow into it (a mixture of experts' auxiliary loss) is not taken for the loss."""
+    import torch
+
+    class FirstFeature(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.dec = torch.nn.Linear(6, 4), torch.nn.Linear(4, 6)
+        def forward(self, x):
+            pred = self.dec(self.enc(x).relu())
+            return pred[:, 0].square().mean(), pred, torch.ones(x.shape[0])
+
+    for loss, own in ((None, True), ("mse", False)):
+        model = FirstFeature()
+        ns = {"model": model}
+        reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                                  "input": [6], "loss": loss})
+        assert ("own_loss" in reply["output"]) == own, reply
+        assert reply["output"]["selected"] == "output[1]", reply
+        call(trials, ns, "set_loss", plan={"kind": "mse"})
+        grads = []
+        hook = model.dec.weight.register_hook(lambda g: grads.append(g.clone()))
+        try:
+            assert call(trials, ns, "trial", batch=5, steps=2)["result"] == "ran"
+        finally:
+            hook.remove()
+            call(trials, ns, "close")
+        assert grads, "no backward reached the decoder"
+        rest = max(float(g[1:].abs().max()) for g in grads)
+        assert (rest == 0.0) == own, (loss, rest)
+
+    class AuxBeside(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.head = torch.nn.Linear(6, 3), torch.nn.Linear(6, 5)
+        def forward(self, x):
+            return self.head(x), self.gate(x).softmax(-1).square().mean()
+
+    ns = {"model": AuxBeside()}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [6]})
+    call(trials, ns, "close")
+    assert "own_loss" not in reply["output"] and reply["output"]["shape"] == [2, 5], reply
 
 
 def test_the_held_output_is_counted_as_the_loop_holds_it(trials):
@@ -1741,4 +1815,29 @@ def test_a_compiled_module_is_said_to_be_stepped_compiled(notebook):
         assert "compiled" not in plain, plain
     finally:
         execute(kc, "del compiled_seg", timeout=60)
+    assert_untouched(kc)
+
+
+@pytest.mark.parametrize("cell, loss", [
+    # MAE returns the loss it computed from its prediction: a loop trains on that.
+    ("%maxbatch mae --input 12x2x2", "loss the model's own: mae(x) returns it at output[0] (its "
+     "forward returns a loss computed from output[1], which a loop over it trains on; --loss "
+     "ce, mse or mean sizes that loss on output[1] instead)"),
+    ("%maxbatch mae --input 12x2x2 --loss own", "loss the model's own: mae(x) returns it at "
+     "output[0]"),
+    ("%maxbatch mae --input 12x2x2 --loss mse", "loss mean squared error against a random target"),
+    # TorchScript cannot tell whether pred flows into the scalar: the report says what it left out.
+    ("%maxbatch mae --input 12x2x2 --engine libtorch", "loss mean squared error against a random "
+     "target (not the scalar also returned at output[0]: where that is the loss your loop "
+     "trains on, computed from output[1], as a masked autoencoder's is, the python engine "
+     "trains on it)"),
+    # An auxiliary loss the logits do not flow into is beside the loss on them, not it.
+    ("%maxbatch with_aux --input 8", "loss cross-entropy over the last dimension (6 classes)"),
+    ("%maxbatch loss_itself --input 8", "loss the model's own: loss_itself(x) returns it at "
+     "output (its forward returns the loss itself, which a loop over it trains on)"),
+])
+def test_a_loss_the_forward_returns_without_targets_is_trained_on(notebook, cell, loss):
+    _, kc = notebook
+    text = report_of(kc, cell)
+    assert loss in text, text
     assert_untouched(kc)

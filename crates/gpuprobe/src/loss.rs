@@ -68,19 +68,36 @@ pub struct LossInputs {
     /// named with their size), in the loss too.
     #[serde(default)]
     pub heads: Vec<String>,
+    /// Floating-point scalars the output also holds (`output[0]` of a masked autoencoder's
+    /// `(loss, pred, mask)`, a mixture of experts' auxiliary loss), left out of this loss.
+    #[serde(default)]
+    pub scalars: Vec<String>,
 }
 
 impl LossInputs {
-    /// `plan`'s description, naming the heads where there are any.
+    /// `plan`'s description, naming the heads where there are any, and the scalars beside.
     pub fn describe(&self, plan: impl fmt::Display) -> String {
-        if self.heads.is_empty() {
-            return plan.to_string();
+        let mut text = if self.heads.is_empty() {
+            plan.to_string()
+        } else {
+            format!(
+                "{plan}, on {} and the heads trained with it ({}), summed",
+                self.selected,
+                self.heads.join(", ")
+            )
+        };
+        if !self.scalars.is_empty() {
+            // The python engine can tell whether the output flows into such a scalar (then it
+            // is the model's loss, and that engine trains on it); TorchScript here cannot.
+            text.push_str(&format!(
+                " (not the scalar also returned at {}: where that is the loss your loop trains \
+                 on, computed from {}, as a masked autoencoder's is, the python engine trains on \
+                 it)",
+                self.scalars.join(", "),
+                self.selected
+            ));
         }
-        format!(
-            "{plan}, on {} and the heads trained with it ({}), summed",
-            self.selected,
-            self.heads.join(", ")
-        )
+        text
     }
 }
 
@@ -312,6 +329,22 @@ mod tests {
         // way, and --loss ce would be refused: no other reading to offer.
         assert_eq!(alternative(&[2, 1, 8, 8], &LossPlan::Mse, None, true), None);
         assert_eq!(alternative(&[2, 1], &LossPlan::Mse, None, true), None);
+    }
+
+    #[test]
+    fn a_scalar_beside_the_output_is_said_to_be_left_out() {
+        let mut inputs = LossInputs {
+            selected: "output[1]".into(),
+            ..LossInputs::default()
+        };
+        assert_eq!(inputs.describe(LossPlan::Mse), LossPlan::Mse.to_string());
+        inputs.scalars = vec!["output[0]".into()];
+        assert_eq!(
+            inputs.describe(LossPlan::Mse),
+            "mean squared error against a random target (not the scalar also returned at \
+             output[0]: where that is the loss your loop trains on, computed from output[1], as \
+             a masked autoencoder's is, the python engine trains on it)"
+        );
     }
 
     #[test]

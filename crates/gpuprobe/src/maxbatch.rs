@@ -255,6 +255,7 @@ impl Trainer {
             let inputs = LossInputs {
                 selected: y.selected.clone(),
                 heads: y.head_names(),
+                scalars: y.scalars.clone(),
             };
             // The input again, sample for sample, maybe flattened: a reconstruction.
             let like_input = self.vocab.is_none()

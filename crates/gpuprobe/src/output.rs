@@ -21,6 +21,8 @@ pub struct Output {
     pub selected: String,
     /// Auxiliary heads shaped like `main`, with where each was found.
     pub heads: Vec<(String, Tensor)>,
+    /// Where the output holds floating-point scalars besides (a loss it computed itself).
+    pub scalars: Vec<String>,
     /// The output's other tensors (a KV cache, attention maps): kept alive, not in the loss.
     rest: Vec<Tensor>,
 }
@@ -42,6 +44,7 @@ impl Output {
             main,
             selected: "output".into(),
             heads: Vec::new(),
+            scalars: Vec::new(),
             rest: Vec::new(),
         }
     }
@@ -56,6 +59,7 @@ impl Output {
                 .iter()
                 .map(|(w, t)| (w.clone(), t.shallow_clone()))
                 .collect(),
+            scalars: self.scalars.clone(),
             rest: self.rest.iter().map(Tensor::shallow_clone).collect(),
         }
     }
@@ -99,9 +103,13 @@ impl Output {
             .or_else(|| items.iter().position(|(_, t)| floating(t)))?;
         let (selected, main) = items.remove(index);
         let mut heads = Vec::new();
+        let mut scalars = Vec::new();
         let mut rest = Vec::new();
         for (at, t) in items {
-            if floating(&t) && t.size() == main.size() {
+            if floating(&t) && t.dim() == 0 {
+                scalars.push(at);
+                rest.push(t);
+            } else if floating(&t) && t.size() == main.size() {
                 heads.push((at, t));
             } else if floating(&t) && rescaled(&t.size(), &main.size()) {
                 let size: Vec<String> = t.size()[2..].iter().map(i64::to_string).collect();
@@ -114,6 +122,7 @@ impl Output {
             main,
             selected,
             heads,
+            scalars,
             rest,
         })
     }
@@ -207,6 +216,8 @@ mod tests {
             2,
             "the scalar and the ids stay alive with the output"
         );
+        // The scalar is named, for the report: it may be the model's own loss.
+        assert_eq!(out.scalars, vec!["output[0]".to_string()]);
     }
 
     #[test]

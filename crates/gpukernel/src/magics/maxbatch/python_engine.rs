@@ -145,10 +145,11 @@ struct OutputInfo {
 /// model's `labels`).
 #[derive(Debug, Clone, Deserialize)]
 struct OwnLoss {
-    /// The forward's argument the targets go to.
-    parameter: String,
-    /// What the targets are, in words.
-    targets: String,
+    /// The forward's argument the targets go to; none where the forward computes its loss
+    /// from its own output (a masked autoencoder's, a diffusion wrapper's).
+    parameter: Option<String>,
+    /// What the targets are, in words (none without a targets argument).
+    targets: Option<String>,
     /// Where the forward returns the loss: `output[1]`, `output.loss`.
     returned: String,
     /// Why the step trains on it without --loss own.
@@ -1111,12 +1112,17 @@ fn own_loss_text(model: &str, own: &OwnLoss) -> String {
         .as_deref()
         .map(|r| format!(" ({r})"))
         .unwrap_or_default();
-    format!(
-        "the model's own: {model}(x, {p}=...) returns it at {returned}, {p} {targets}{reason}",
-        p = own.parameter,
-        returned = own.returned,
-        targets = own.targets,
-    )
+    match (&own.parameter, &own.targets) {
+        (Some(p), targets) => format!(
+            "the model's own: {model}(x, {p}=...) returns it at {returned}, {p} {targets}{reason}",
+            returned = own.returned,
+            targets = targets.as_deref().unwrap_or("made for it"),
+        ),
+        (None, _) => format!(
+            "the model's own: {model}(x) returns it at {returned}{reason}",
+            returned = own.returned,
+        ),
+    }
 }
 
 /// The step's memory per sample, from the smallest and the largest batch that ran (the
@@ -1213,8 +1219,8 @@ mod tests {
     #[test]
     fn the_models_own_loss_is_said_with_its_targets_and_why() {
         let own = OwnLoss {
-            parameter: "targets".into(),
-            targets: "ids < 500 shaped like the input".into(),
+            parameter: Some("targets".into()),
+            targets: Some("ids < 500 shaped like the input".into()),
             returned: "output[1]".into(),
             reason: Some("without targets its forward returns output[0] [2, 1, 500]".into()),
         };
@@ -1222,6 +1228,21 @@ mod tests {
             own_loss_text("gpt", &own),
             "the model's own: gpt(x, targets=...) returns it at output[1], targets ids < 500 \
              shaped like the input (without targets its forward returns output[0] [2, 1, 500])"
+        );
+    }
+
+    #[test]
+    fn a_loss_the_forward_computes_from_its_output_is_said_without_targets() {
+        let own = OwnLoss {
+            parameter: None,
+            targets: None,
+            returned: "output[0]".into(),
+            reason: Some("its forward returns a loss computed from output[1]".into()),
+        };
+        assert_eq!(
+            own_loss_text("mae", &own),
+            "the model's own: mae(x) returns it at output[0] (its forward returns a loss \
+             computed from output[1])"
         );
     }
 

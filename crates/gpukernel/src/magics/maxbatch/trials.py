@@ -826,13 +826,43 @@ class ModuleStep:
             reply.update(self._probe_own_loss(parameter, reply["shape"], where))
         elif self.loss_requested == "own" and self.inference:
             raise MaxBatchError("--inference runs no loss: drop --loss own")
+        elif (not self.inference and self.loss_requested in (None, "own")
+              and self._returns_its_loss(out, tensor, where, reply)):
+            pass
         elif self.loss_requested == "own":
             raise MaxBatchError(
-                f"--loss own trains on the loss {self.name} returns when given targets, and "
-                f"{self.name}.forward takes none (no optional "
-                f"{' or '.join(TARGET_PARAMETERS)}): pick --loss ce, mse or mean, or "
-                f"{STEP_HINT}")
+                f"--loss own trains on the loss {self.name} returns, given targets or computed "
+                f"from its output, and {self.name}.forward takes no targets (no optional "
+                f"{' or '.join(TARGET_PARAMETERS)}) and returns no such loss: pick --loss ce, "
+                f"mse or mean, or {STEP_HINT}")
         return reply
+
+    def _returns_its_loss(self, out, tensor, where, reply):
+        """Whether the forward, without targets, returns the loss a loop over it trains on:
+        a scalar computed from the output it returns (MAE's `(loss, pred, mask)`), or the
+        output itself a scalar (a diffusion or autoregressive wrapper whose forward is the
+        loss). The step then trains on it, and `reply` says so. A scalar the output does not
+        flow into (a mixture of experts' `(logits, aux_loss)`) is a term beside the loss on
+        the logits, which the standard loss still computes."""
+        torch = self.torch
+        found = _returned_loss(torch, out)
+        if found is None or not found[0].requires_grad:
+            return False
+        loss, returned = found
+        if loss is not tensor:
+            if not tensor.requires_grad:
+                return False
+            flows = torch.autograd.grad(loss, tensor, retain_graph=True, allow_unused=True)[0]
+            if flows is None:
+                return False
+            why = (f"its forward returns a loss computed from {where}, which a loop over it "
+                   f"trains on; --loss ce, mse or mean sizes that loss on {where} instead")
+        else:
+            why = "its forward returns the loss itself, which a loop over it trains on"
+        self.own = {"parameter": None}
+        reply["own_loss"] = {"parameter": None, "targets": None, "returned": returned,
+                             "reason": why}
+        return True
 
     def _like_input(self, shape):
         """Whether an output of `shape` holds a float input again, sample for sample, maybe
@@ -983,7 +1013,7 @@ class ModuleStep:
 
     def _step_forward(self, x, batch):
         """The step's forward: with targets where it trains on the model's own loss."""
-        if self.own is None:
+        if self.own is None or self.own["parameter"] is None:
             return self.model(x)
         return self.model(x, **{self.own["parameter"]: self._targets(self.own, batch)})
 
