@@ -226,7 +226,12 @@ pub(super) fn shape_text(dims: &[i64]) -> String {
 }
 
 fn parse_shape(text: &str) -> Result<Shape, String> {
-    let dims: Result<Vec<i64>, _> = text
+    // `(3, 224, 224)` or `[3, 224, 224]` as Python prints a shape: the brackets go.
+    let inner = text
+        .trim()
+        .trim_start_matches(['(', '['])
+        .trim_end_matches([')', ']']);
+    let dims: Result<Vec<i64>, _> = inner
         .split(['x', ',', ' '])
         .filter(|d| !d.is_empty())
         .map(|d| d.parse::<i64>())
@@ -447,6 +452,15 @@ mod tests {
         assert_eq!(parse_shape("128"), Ok(Shape(vec![128])));
         assert!(parse_shape("3xx").is_ok());
         assert!(parse_shape("3x-1").is_err());
+        // As Python prints a shape, and as torch.Size's numbers are copied out of it.
+        assert_eq!(parse_shape("(3, 224, 224)"), Ok(Shape(vec![3, 224, 224])));
+        assert_eq!(parse_shape("[512]"), Ok(Shape(vec![512])));
+        assert_eq!(parse_shape("3,32,32"), Ok(Shape(vec![3, 32, 32])));
+        assert!(
+            parse_shape("(3, 224").is_ok(),
+            "one bracket alone is forgiven too"
+        );
+        assert!(parse_shape("()").is_err());
         assert!(parse_seconds("1e30").is_err());
         assert!(parse_seconds("0").is_err());
     }
