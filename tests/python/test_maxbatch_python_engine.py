@@ -1841,3 +1841,12 @@ def test_a_loss_the_forward_returns_without_targets_is_trained_on(notebook, cell
     text = report_of(kc, cell)
     assert loss in text, text
     assert_untouched(kc)
+
+
+def test_a_shape_as_python_prints_it_is_taken(notebook):
+    """`--input (3, 8, 8)`, copied from a tensor's shape: one value, not three words."""
+    _, kc = notebook
+    for shape in ("(3, 8, 8)", "[3, 8, 8]", "3,8,8"):
+        text = report_of(kc, f"%maxbatch seg --input {shape}")
+        assert "input 3x8x8 per sample" in text, (shape, text)
+    assert_untouched(kc)
