@@ -90,6 +90,14 @@ class WithAuxLoss(torch.nn.Module):  # a mixture of experts' (logits, aux_loss)
     def forward(self, x):
         return self.head(x), self.gate(x).softmax(-1).square().mean()
 
+class WithZLoss(torch.nn.Module):  # logits and a z-loss computed from them (PaLM's)
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 6)
+    def forward(self, x):
+        logits = self.head(x)
+        return logits, 1e-4 * logits.logsumexp(-1).square().mean()
+
 class LossItself(torch.nn.Module):  # a diffusion wrapper's forward(x): the loss
     def __init__(self):
         super().__init__()
@@ -108,7 +116,7 @@ for _ in range(2):
     opt.step(); sched.step()
 lm.drop.eval()
 seg, seg_aux, traced_aux, regress = Seg(), SegAux(), TracedAux(), Regress()
-mae, with_aux, loss_itself = MaskedAE(), WithAuxLoss(), LossItself()
+mae, with_aux, with_zloss, loss_itself = MaskedAE(), WithAuxLoss(), WithZLoss(), LossItself()
 # BatchNorm after global pooling, as DeepLabV3's pooled branch: one sample per batch fails it
 pooled_bn = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1),
                                 torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4, 5))
@@ -875,9 +883,10 @@ def test_the_step_trains_on_the_loss_a_model_computes_from_its_output(trials):
         ns = {"model": model}
         reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
                                                   "input": [6], "loss": loss})
-        assert ("own_loss" in reply["output"]) == own, reply
+        assert ("returned_loss" in reply["output"]) == own, reply
         assert reply["output"]["selected"] == "output[1]", reply
-        call(trials, ns, "set_loss", plan={"kind": "mse"})
+        # As gpukernel decides for an output that is no class scores (StepLoss::of).
+        call(trials, ns, "set_loss", plan={"kind": "mse"}, returned="alone" if own else None)
         grads = []
         hook = model.dec.weight.register_hook(lambda g: grads.append(g.clone()))
         try:
@@ -899,7 +908,30 @@ def test_the_step_trains_on_the_loss_a_model_computes_from_its_output(trials):
     ns = {"model": AuxBeside()}
     reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [6]})
     call(trials, ns, "close")
-    assert "own_loss" not in reply["output"] and reply["output"]["shape"] == [2, 5], reply
+    assert "returned_loss" not in reply["output"] and reply["output"]["shape"] == [2, 5], reply
+
+    # A reentrant checkpoint between the output and the loss hides the path from .grad():
+    # the standard loss then, as before, not an engine failure.
+    class Reentrant(FirstFeature):
+        def forward(self, x):
+            from torch.utils.checkpoint import checkpoint
+            pred = self.dec(self.enc(x).relu())
+            loss = checkpoint(lambda p: p[:, 0].square().mean(), pred, use_reentrant=True)
+            return loss, pred
+
+    ns = {"model": Reentrant()}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [6]})
+    assert "returned_loss" not in reply["output"], reply
+    call(trials, ns, "set_loss", plan={"kind": "mse"})
+    assert call(trials, ns, "trial", batch=3, steps=2)["result"] == "ran"
+    call(trials, ns, "close")
+
+    # One compiled graph returns the loss and the output: the check runs eagerly.
+    model = torch.compile(FirstFeature(), backend="aot_eager")
+    ns = {"model": model}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [6]})
+    call(trials, ns, "close")
+    assert reply["output"]["returned_loss"] == {"returned": "output[0]", "itself": False}, reply
 
 
 def test_the_held_output_is_counted_as_the_loop_holds_it(trials):
@@ -1828,11 +1860,17 @@ def test_a_compiled_module_is_said_to_be_stepped_compiled(notebook):
     ("%maxbatch mae --input 12x2x2 --loss mse", "loss mean squared error against a random target"),
     # TorchScript cannot tell whether pred flows into the scalar: the report says what it left out.
     ("%maxbatch mae --input 12x2x2 --engine libtorch", "loss mean squared error against a random "
-     "target (not the scalar also returned at output[0]: where that is the loss your loop "
-     "trains on, computed from output[1], as a masked autoencoder's is, the python engine "
-     "trains on it)"),
+     "target (the scalar also returned at output[0] is left out: where one is computed from "
+     "output[1] (a masked autoencoder's loss, a z-loss), the python engine trains on it, for a "
+     "notebook variable)"),
     # An auxiliary loss the logits do not flow into is beside the loss on them, not it.
-    ("%maxbatch with_aux --input 8", "loss cross-entropy over the last dimension (6 classes)"),
+    ("%maxbatch with_aux --input 8", "loss cross-entropy over the last dimension (6 classes); "),
+    # A scalar computed from class scores is a term beside the cross-entropy on them.
+    ("%maxbatch with_zloss --input 8", "loss cross-entropy over the last dimension (6 classes), "
+     "plus the scalar with_zloss(x) returns at output[1], which is computed from output[0] (a "
+     "term of its loss, as a z-loss is; --loss ce leaves it out)"),
+    ("%maxbatch with_zloss --input 8 --loss ce", "loss cross-entropy over the last dimension "
+     "(6 classes); "),
     ("%maxbatch loss_itself --input 8", "loss the model's own: loss_itself(x) returns it at "
      "output (its forward returns the loss itself, which a loop over it trains on)"),
 ])
@@ -1846,7 +1884,7 @@ def test_a_loss_the_forward_returns_without_targets_is_trained_on(notebook, cell
 def test_a_shape_as_python_prints_it_is_taken(notebook):
     """`--input (3, 8, 8)`, copied from a tensor's shape: one value, not three words."""
     _, kc = notebook
-    for shape in ("(3, 8, 8)", "[3, 8, 8]", "3,8,8"):
+    for shape in ("(3, 8, 8)", "[3, 8, 8]", "3,8,8", "torch.Size([3, 8, 8])"):
         text = report_of(kc, f"%maxbatch seg --input {shape}")
         assert "input 3x8x8 per sample" in text, (shape, text)
     assert_untouched(kc)

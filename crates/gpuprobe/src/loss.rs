@@ -88,11 +88,15 @@ impl LossInputs {
         };
         if !self.scalars.is_empty() {
             // The python engine can tell whether the output flows into such a scalar (then it
-            // is the model's loss, and that engine trains on it); TorchScript here cannot.
+            // is the model's loss, or a term of it); TorchScript here cannot.
+            let (what, are) = match self.scalars.len() {
+                1 => ("the scalar", "is"),
+                _ => ("the scalars", "are"),
+            };
             text.push_str(&format!(
-                " (not the scalar also returned at {}: where that is the loss your loop trains \
-                 on, computed from {}, as a masked autoencoder's is, the python engine trains on \
-                 it)",
+                " ({what} also returned at {} {are} left out: where one is computed from {} \
+                 (a masked autoencoder's loss, a z-loss), the python engine trains on it, for a \
+                 notebook variable)",
                 self.scalars.join(", "),
                 self.selected
             ));
@@ -341,10 +345,14 @@ mod tests {
         inputs.scalars = vec!["output[0]".into()];
         assert_eq!(
             inputs.describe(LossPlan::Mse),
-            "mean squared error against a random target (not the scalar also returned at \
-             output[0]: where that is the loss your loop trains on, computed from output[1], as \
-             a masked autoencoder's is, the python engine trains on it)"
+            "mean squared error against a random target (the scalar also returned at output[0] \
+             is left out: where one is computed from output[1] (a masked autoencoder's loss, a \
+             z-loss), the python engine trains on it, for a notebook variable)"
         );
+        inputs.scalars.push("output[3]".into());
+        assert!(inputs
+            .describe(LossPlan::Mse)
+            .contains("(the scalars also returned at output[0], output[3] are left out:"));
     }
 
     #[test]

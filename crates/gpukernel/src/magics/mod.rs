@@ -163,7 +163,7 @@ impl Registry {
             ))
         })?;
         let argv = std::iter::once(format!("%{}", line.name))
-            .chain(join_bracketed(words))
+            .chain(words)
             .collect();
         if line.name == "maxbatch" {
             // %oom's suggestions use this session's %maxbatch results.
@@ -258,42 +258,9 @@ impl Registry {
     }
 }
 
-/// Words split inside brackets joined again: `--input (3, 224, 224)`, as Python prints a
-/// shape, is one value, not three words.
-fn join_bracketed(words: Vec<String>) -> Vec<String> {
-    let mut joined: Vec<String> = Vec::with_capacity(words.len());
-    let mut open = 0i32;
-    for word in words {
-        let depth = |w: &str, c: char| w.chars().filter(|x| *x == c).count() as i32;
-        let change = depth(&word, '(') + depth(&word, '[') - depth(&word, ')') - depth(&word, ']');
-        match joined.last_mut() {
-            Some(last) if open > 0 => {
-                last.push(' ');
-                last.push_str(&word);
-            }
-            _ => joined.push(word),
-        }
-        open = (open + change).max(0);
-    }
-    joined
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_bracketed_value_split_at_its_spaces_is_one_word_again() {
-        let words = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();
-        assert_eq!(
-            join_bracketed(words("m --input (3, 224, 224) --amp bf16")),
-            ["m", "--input", "(3, 224, 224)", "--amp", "bf16"]
-        );
-        assert_eq!(join_bracketed(words("--input [512]")), ["--input", "[512]"]);
-        assert_eq!(join_bracketed(words("a b c")), ["a", "b", "c"]);
-        // An unclosed bracket takes the rest, and clap says what is wrong with it.
-        assert_eq!(join_bracketed(words("--input (3, 4")), ["--input", "(3, 4"]);
-    }
 
     #[test]
     fn completes_names_flags_and_values() {

@@ -140,7 +140,8 @@ pub(super) struct Args {
     /// Where trials run (default: python for a notebook variable, libtorch otherwise).
     #[arg(long, value_enum)]
     pub(super) engine: Option<EngineChoice>,
-    /// Shape of one sample, e.g. 3x224x224, or 512 with --vocab (default for built-ins only).
+    /// Shape of one sample, e.g. 3x224x224 or (3, 224, 224), or 512 with --vocab (default for
+    /// built-ins only).
     #[arg(long, value_name = "SHAPE", value_parser = parse_shape)]
     pub(super) input: Option<Shape>,
     /// Where the batch goes in the input (python engine): 0, or 1 for a (seq, batch, ...)
@@ -225,10 +226,40 @@ pub(super) fn shape_text(dims: &[i64]) -> String {
         .join("x")
 }
 
+/// The words of an `--input` shape written as Python prints one, `(3, 224, 224)` or
+/// `torch.Size([3, 224, 224])`, which the magic line's split cut at its spaces, joined again.
+fn join_shape(argv: Vec<String>) -> Vec<String> {
+    let depth = |w: &str| {
+        let count = |c| w.chars().filter(|x| *x == c).count() as i64;
+        count('(') + count('[') - count(')') - count(']')
+    };
+    let mut joined: Vec<String> = Vec::with_capacity(argv.len());
+    let mut open = 0;
+    for word in argv {
+        if open > 0 {
+            if let Some(last) = joined.last_mut() {
+                last.push(' ');
+                last.push_str(&word);
+                open += depth(&word);
+                continue;
+            }
+        }
+        let after_input = joined.last().is_some_and(|w| w == "--input");
+        let value = word.strip_prefix("--input=").unwrap_or(&word);
+        if after_input || value.len() < word.len() {
+            open = depth(value).max(0);
+        }
+        joined.push(word);
+    }
+    joined
+}
+
 fn parse_shape(text: &str) -> Result<Shape, String> {
-    // `(3, 224, 224)` or `[3, 224, 224]` as Python prints a shape: the brackets go.
+    // `(3, 224, 224)`, `[3, 224, 224]` or `torch.Size([3, 224, 224])` as Python prints a
+    // shape: the brackets go.
+    let text = text.trim();
+    let text = text.strip_prefix("torch.Size(").unwrap_or(text);
     let inner = text
-        .trim()
         .trim_start_matches(['(', '['])
         .trim_end_matches([')', ']']);
     let dims: Result<Vec<i64>, _> = inner
@@ -400,7 +431,7 @@ impl Magic for MaxBatch {
     }
 
     fn run(&self, argv: Vec<String>, ctx: &MagicContext) -> Result<(), MagicError> {
-        let Some(args) = parse_args::<Args>(argv, ctx)? else {
+        let Some(args) = parse_args::<Args>(join_shape(argv), ctx)? else {
             return Ok(());
         };
         let target = target(&args, ctx.python.is_some())?;
@@ -461,6 +492,44 @@ mod tests {
             "one bracket alone is forgiven too"
         );
         assert!(parse_shape("()").is_err());
+        assert_eq!(
+            parse_shape("torch.Size([3, 224, 224])"),
+            Ok(Shape(vec![3, 224, 224]))
+        );
+    }
+
+    #[test]
+    fn a_shape_the_line_split_at_its_spaces_is_one_value_again() {
+        let words = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();
+        assert_eq!(
+            join_shape(words("%maxbatch m --input (3, 224, 224) --amp bf16")),
+            [
+                "%maxbatch",
+                "m",
+                "--input",
+                "(3, 224, 224)",
+                "--amp",
+                "bf16"
+            ]
+        );
+        assert_eq!(
+            join_shape(words("%maxbatch m --input=torch.Size([3, 32, 32]) --json")),
+            [
+                "%maxbatch",
+                "m",
+                "--input=torch.Size([3, 32, 32])",
+                "--json"
+            ]
+        );
+        assert_eq!(
+            join_shape(words("%maxbatch m --input 3x224x224 --amp bf16")),
+            words("%maxbatch m --input 3x224x224 --amp bf16")
+        );
+        // Only --input's value: brackets elsewhere (a --step name, another flag) stay apart.
+        assert_eq!(
+            join_shape(words("%maxbatch --step f( --json")),
+            words("%maxbatch --step f( --json")
+        );
         assert!(parse_seconds("1e30").is_err());
         assert!(parse_seconds("0").is_err());
     }

@@ -128,6 +128,9 @@ struct OutputInfo {
     /// The loss the model computes itself, when the step trains on it.
     #[serde(default)]
     own_loss: Option<OwnLoss>,
+    /// A scalar loss the forward returns without targets, computed from the selected output.
+    #[serde(default)]
+    returned_loss: Option<ReturnedLoss>,
     /// The forward's optional targets argument (`targets`, `labels`), if it has one.
     #[serde(default)]
     targets_parameter: Option<String>,
@@ -145,16 +148,60 @@ struct OutputInfo {
 /// model's `labels`).
 #[derive(Debug, Clone, Deserialize)]
 struct OwnLoss {
-    /// The forward's argument the targets go to; none where the forward computes its loss
-    /// from its own output (a masked autoencoder's, a diffusion wrapper's).
-    parameter: Option<String>,
-    /// What the targets are, in words (none without a targets argument).
-    targets: Option<String>,
+    /// The forward's argument the targets go to.
+    parameter: String,
+    /// What the targets are, in words.
+    targets: String,
     /// Where the forward returns the loss: `output[1]`, `output.loss`.
     returned: String,
     /// Why the step trains on it without --loss own.
     #[serde(default)]
     reason: Option<String>,
+}
+
+/// A scalar loss the forward returns without targets: a masked autoencoder's `(loss, pred,
+/// mask)`, a diffusion wrapper's loss; or a term a loop adds to its loss (a z-loss).
+#[derive(Debug, Clone, Deserialize)]
+struct ReturnedLoss {
+    /// Where: `output[0]`, `output.loss`, `output` (the output is the loss itself).
+    returned: String,
+    /// The output itself is that scalar.
+    #[serde(default)]
+    itself: bool,
+}
+
+/// How the standard step uses a [`ReturnedLoss`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum ReturnedUse {
+    /// The loss the step trains on.
+    Alone,
+    /// Added to the planned loss on the class scores it is computed from.
+    Added,
+}
+
+/// The loss the standard step trains on.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct StepLoss {
+    plan: LossPlan,
+    returned: Option<ReturnedUse>,
+}
+
+impl StepLoss {
+    /// How a step uses the scalar the forward returns: alone where `--loss own` asks or no
+    /// loss was asked and the output is no class scores (the loss of a reconstruction or a
+    /// denoiser); added to the cross-entropy on class scores that flow into it (a loop's
+    /// z-loss beside its cross-entropy); not at all under `--loss ce/mse/mean`.
+    fn of(plan: LossPlan, returned: Option<&ReturnedLoss>, asked: Option<super::Loss>) -> Self {
+        let used = match asked {
+            Some(super::Loss::Own) => Some(ReturnedUse::Alone),
+            Some(_) => None,
+            None if matches!(plan, LossPlan::Ce { .. }) => Some(ReturnedUse::Added),
+            None => Some(ReturnedUse::Alone),
+        };
+        let returned = returned.and(used);
+        StepLoss { plan, returned }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -527,7 +574,7 @@ fn plan_loss(
     session: &Session,
     args: &Args,
     prepared: &Prepared,
-) -> Result<Option<LossPlan>, MagicError> {
+) -> Result<Option<StepLoss>, MagicError> {
     let Some(output) = prepared.output.as_ref().filter(|o| o.own_loss.is_none()) else {
         return Ok(None); // a step function's loss, or the model's own: nothing to plan
     };
@@ -539,15 +586,16 @@ fn plan_loss(
         output.like_input,
     )
     .map_err(|e| MagicError::usage(format!("%maxbatch: {e}")))?;
+    let loss = StepLoss::of(plan, output.returned_loss.as_ref(), args.loss);
     session
         .call::<Value>(
             "set_loss",
-            json!({ "plan": plan }),
+            json!({ "plan": plan, "returned": loss.returned }),
             SETUP_LIMIT,
             &mut |_| {},
         )
         .map_err(CallError::into_magic)?;
-    Ok(Some(plan))
+    Ok(Some(loss))
 }
 
 /// What the search and the confirming trial found.
@@ -983,7 +1031,7 @@ fn assumptions(
     args: &Args,
     spec: &Spec,
     prepared: &Prepared,
-    loss: Option<&LossPlan>,
+    loss: Option<&StepLoss>,
 ) -> Assumptions {
     let (step, precision, input) = if spec.kind == "step" {
         (
@@ -1007,7 +1055,10 @@ fn assumptions(
         step,
         loss: match prepared.output.as_ref().and_then(|o| o.own_loss.as_ref()) {
             Some(own) => Some(own_loss_text(&spec.target, own)),
-            None => loss.map(|plan| loss_text(args, prepared, plan)),
+            None => loss.map(|loss| {
+                let planned = loss_text(args, prepared, &loss.plan);
+                returned_loss_text(&spec.target, loss, prepared, planned)
+            }),
         },
         precision,
         optimizer: prepared.describe.optimizer.clone(),
@@ -1112,16 +1163,46 @@ fn own_loss_text(model: &str, own: &OwnLoss) -> String {
         .as_deref()
         .map(|r| format!(" ({r})"))
         .unwrap_or_default();
-    match (&own.parameter, &own.targets) {
-        (Some(p), targets) => format!(
-            "the model's own: {model}(x, {p}=...) returns it at {returned}, {p} {targets}{reason}",
-            returned = own.returned,
-            targets = targets.as_deref().unwrap_or("made for it"),
+    format!(
+        "the model's own: {model}(x, {p}=...) returns it at {returned}, {p} {targets}{reason}",
+        p = own.parameter,
+        returned = own.returned,
+        targets = own.targets,
+    )
+}
+
+/// The loss of a step that uses the scalar the forward returns without targets.
+fn returned_loss_text(
+    model: &str,
+    loss: &StepLoss,
+    prepared: &Prepared,
+    planned: String,
+) -> String {
+    let Some(output) = prepared.output.as_ref() else {
+        return planned;
+    };
+    let Some(r) = output.returned_loss.as_ref() else {
+        return planned;
+    };
+    let selected = &output.inputs.selected;
+    match loss.returned {
+        Some(ReturnedUse::Alone) if r.itself => format!(
+            "the model's own: {model}(x) returns it at {} (its forward returns the loss itself, \
+             which a loop over it trains on)",
+            r.returned
         ),
-        (None, _) => format!(
-            "the model's own: {model}(x) returns it at {returned}{reason}",
-            returned = own.returned,
+        Some(ReturnedUse::Alone) => format!(
+            "the model's own: {model}(x) returns it at {} (its forward returns a loss computed \
+             from {selected}, which a loop over it trains on; --loss ce, mse or mean sizes that \
+             loss on {selected} instead)",
+            r.returned
         ),
+        Some(ReturnedUse::Added) => format!(
+            "{planned}, plus the scalar {model}(x) returns at {}, which is computed from \
+             {selected} (a term of its loss, as a z-loss is; --loss ce leaves it out)",
+            r.returned
+        ),
+        None => planned,
     }
 }
 
@@ -1219,8 +1300,8 @@ mod tests {
     #[test]
     fn the_models_own_loss_is_said_with_its_targets_and_why() {
         let own = OwnLoss {
-            parameter: Some("targets".into()),
-            targets: Some("ids < 500 shaped like the input".into()),
+            parameter: "targets".into(),
+            targets: "ids < 500 shaped like the input".into(),
             returned: "output[1]".into(),
             reason: Some("without targets its forward returns output[0] [2, 1, 500]".into()),
         };
@@ -1232,17 +1313,40 @@ mod tests {
     }
 
     #[test]
-    fn a_loss_the_forward_computes_from_its_output_is_said_without_targets() {
-        let own = OwnLoss {
-            parameter: None,
-            targets: None,
+    fn a_returned_loss_is_used_alone_or_added_to_cross_entropy_on_the_scores_it_is_from() {
+        use super::super::Loss;
+        let returned = ReturnedLoss {
             returned: "output[0]".into(),
-            reason: Some("its forward returns a loss computed from output[1]".into()),
+            itself: false,
         };
+        let ce = LossPlan::Ce {
+            classes: 10,
+            class_dim: -1,
+        };
+        let alone = Some(ReturnedUse::Alone);
+        let of = |plan, asked| StepLoss::of(plan, Some(&returned), asked).returned;
         assert_eq!(
-            own_loss_text("mae", &own),
-            "the model's own: mae(x) returns it at output[0] (its forward returns a loss \
-             computed from output[1])"
+            of(LossPlan::Mse, None),
+            alone,
+            "a reconstruction's loss: MAE's"
+        );
+        assert_eq!(of(LossPlan::Mean, None), alone);
+        assert_eq!(
+            of(ce, None),
+            Some(ReturnedUse::Added),
+            "a z-loss beside the CE"
+        );
+        assert_eq!(of(ce, Some(Loss::Own)), alone);
+        assert_eq!(
+            of(LossPlan::Mse, Some(Loss::Mse)),
+            None,
+            "the loss asked for only"
+        );
+        assert_eq!(of(ce, Some(Loss::Ce)), None);
+        assert_eq!(
+            StepLoss::of(ce, None, None).returned,
+            None,
+            "nothing returned"
         );
     }
 

@@ -552,6 +552,18 @@ def _returned_loss(torch, out):
     return next(((v, where) for where, v in _output_items(out) if scalar(v)), None)
 
 
+def _flows_into(torch, tensor, loss):
+    """Whether `tensor` is in `loss`'s graph (a gradient reaches it; nothing accumulates in
+    any `.grad`). Backward hooks on the way run once, as in any backward."""
+    if not tensor.requires_grad:
+        return False
+    try:
+        return torch.autograd.grad(loss, tensor, retain_graph=True, allow_unused=True)[0] \
+            is not None
+    except Exception:  # noqa: BLE001 (a reentrant checkpoint between them: .grad() cannot say)
+        return False
+
+
 def _heads(torch, out, selected):
     """The output's other tensors like `selected`: auxiliary heads shaped like it
     (torchvision's segmentation `{'out', 'aux'}`, Inception's `aux_logits`), and a
@@ -697,6 +709,7 @@ class ModuleStep:
                                 "unfreeze what you train, or size a forward pass with "
                                 "--inference")
         self.loss_plan = None
+        self.returned_use = None  # how the step uses a loss the forward returns (set_loss)
         self.loss_requested = spec.get("loss")
         # The model's own loss, when the step trains on it: the forward's targets argument
         # and how its targets are made (`_targets`).
@@ -827,7 +840,7 @@ class ModuleStep:
         elif self.loss_requested == "own" and self.inference:
             raise MaxBatchError("--inference runs no loss: drop --loss own")
         elif (not self.inference and self.loss_requested in (None, "own")
-              and self._returns_its_loss(out, tensor, where, reply)):
+              and self._returns_its_loss(out, tensor, reply)):
             pass
         elif self.loss_requested == "own":
             raise MaxBatchError(
@@ -837,32 +850,40 @@ class ModuleStep:
                 f"mse or mean, or {STEP_HINT}")
         return reply
 
-    def _returns_its_loss(self, out, tensor, where, reply):
-        """Whether the forward, without targets, returns the loss a loop over it trains on:
-        a scalar computed from the output it returns (MAE's `(loss, pred, mask)`), or the
-        output itself a scalar (a diffusion or autoregressive wrapper whose forward is the
-        loss). The step then trains on it, and `reply` says so. A scalar the output does not
-        flow into (a mixture of experts' `(logits, aux_loss)`) is a term beside the loss on
-        the logits, which the standard loss still computes."""
+    def _returns_its_loss(self, out, tensor, reply):
+        """Whether the forward, without targets, returns a scalar loss computed from the
+        output it returns (MAE's `(loss, pred, mask)`), or the output itself is a scalar (a
+        diffusion or autoregressive wrapper whose forward is the loss); `reply` then says
+        where (`returned_loss`). gpukernel decides how the step uses it (`set_loss`): alone,
+        or added to a cross-entropy on class scores that flow into it (a z-loss). A scalar the
+        output does not flow into (a mixture of experts' auxiliary loss) is left out."""
         torch = self.torch
         found = _returned_loss(torch, out)
         if found is None or not found[0].requires_grad:
             return False
-        loss, returned = found
-        if loss is not tensor:
-            if not tensor.requires_grad:
+        itself = found[0] is tensor
+        if not itself and not _flows_into(torch, tensor, found[0]):
+            # One compiled graph returning both hides the path inside its autograd node: the
+            # same forward run eagerly shows it.
+            if not self._compiled() or not self._flows_eagerly():
                 return False
-            flows = torch.autograd.grad(loss, tensor, retain_graph=True, allow_unused=True)[0]
-            if flows is None:
-                return False
-            why = (f"its forward returns a loss computed from {where}, which a loop over it "
-                   f"trains on; --loss ce, mse or mean sizes that loss on {where} instead")
-        else:
-            why = "its forward returns the loss itself, which a loop over it trains on"
-        self.own = {"parameter": None}
-        reply["own_loss"] = {"parameter": None, "targets": None, "returned": returned,
-                             "reason": why}
+        reply["returned_loss"] = {"returned": found[1], "itself": itself}
         return True
+
+    def _compiled(self):
+        """Whether torch.compile wraps the model or any module in it."""
+        return any(isinstance(getattr(m, "_orig_mod", None), self.torch.nn.Module)
+                   for m in (self.model, *self.model.modules()))
+
+    def _flows_eagerly(self):
+        """`_returns_its_loss`'s check on an eager forward of the compiled model."""
+        torch = self.torch
+        out, failure = self._forward(self.make_input(PROBE_BATCH), None, eager=True)
+        if failure is not None:
+            return False
+        found = _returned_loss(torch, out)
+        return (found is not None and found[0].requires_grad
+                and _flows_into(torch, _select_output(torch, out)[0], found[0]))
 
     def _like_input(self, shape):
         """Whether an output of `shape` holds a float input again, sample for sample, maybe
@@ -1013,7 +1034,7 @@ class ModuleStep:
 
     def _step_forward(self, x, batch):
         """The step's forward: with targets where it trains on the model's own loss."""
-        if self.own is None or self.own["parameter"] is None:
+        if self.own is None:
             return self.model(x)
         return self.model(x, **{self.own["parameter"]: self._targets(self.own, batch)})
 
@@ -1067,14 +1088,17 @@ class ModuleStep:
                 return self._watched_forward(tokens_tried=True)
         raise self._forward_failed(tuple(x.shape), failure)
 
-    def _forward(self, x, watch, targets=None):
+    def _forward(self, x, watch, targets=None, eager=False):
         """(the output, None), or (None, the failure's text): only the text is kept, since
         the exception's frames hold the forward's tensors. `targets`: keyword arguments for
-        the forward (its targets), which ask for a training forward."""
+        the forward (its targets), which ask for a training forward. `eager`: a compiled
+        model or submodule runs eagerly."""
         import contextlib
         torch, model = self.torch, self.model
+        force_eager = eager
         eager = contextlib.nullcontext()
-        if targets or (watch is not None and watch.hooked) or self.targets_parameter:
+        if (force_eager or targets or (watch is not None and watch.hooked)
+                or self.targets_parameter):
             # Hooks inside a torch.compile'd model or submodule make dynamo trace it again
             # (minutes for a large model; and it cannot import this private module), as do
             # arguments it has not been called with; and a forward that takes targets may be
@@ -1115,12 +1139,14 @@ class ModuleStep:
     def _loss(self, out):
         """The plan's loss on the selected output, summed over the heads shaped like it; or
         the loss the model returned."""
-        if self.own is not None:
+        if self.own is not None or self.returned_use == "alone":
             return _returned_loss(self.torch, out)[0]
         tensor, _ = _select_output(self.torch, out)
         loss = self._loss_on(tensor)
         for _, head in _heads(self.torch, out, tensor):
             loss = loss + self._loss_on(head)
+        if self.returned_use == "added":
+            loss = loss + _returned_loss(self.torch, out)[0]
         return loss
 
     def _loss_on(self, tensor):
@@ -1611,9 +1637,12 @@ class _Clock:
         self._last = now
 
 
-def set_loss(user_ns, plan):
-    _current().step.loss_plan = plan
-    return {"loss": plan}
+def set_loss(user_ns, plan, returned=None):
+    """The loss the standard step computes: `plan` on the selected output (and its heads);
+    with `returned` "alone", the scalar the forward returns instead, or "added" to it."""
+    step = _current().step
+    step.loss_plan, step.returned_use = plan, returned
+    return {"loss": plan, "returned": returned}
 
 
 def trial(user_ns, batch, steps=2, timed=0):
