@@ -25,7 +25,9 @@ A trial is one of:
   (``probe_output``) reads from the model what its loop feeds it: token ids for an Embedding
   the input reaches first, the batch on dim 1 for a seq-first layer, and targets for a
   forward that takes them (nanoGPT's `targets`, a Hugging Face model's `labels`), whose own
-  loss the step then trains on.
+  loss the step then trains on; without targets, a scalar loss the forward returns computed
+  from its output (MAE's `(loss, pred, mask)`), which the step trains on alone, or adds to
+  the cross-entropy on class scores it is computed from (a z-loss), as gpukernel decides.
 
 A trial runs up to ``steps`` steps, and ends sooner, far below the limit, at the first step
 (from the second on) that leaves memory as the step before left it (``_run_steps``).
