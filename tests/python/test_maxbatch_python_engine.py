@@ -1864,13 +1864,15 @@ def test_a_compiled_module_is_said_to_be_stepped_compiled(notebook):
      "output[1] (a masked autoencoder's loss, a z-loss), the python engine trains on it, for a "
      "notebook variable)"),
     # An auxiliary loss the logits do not flow into is beside the loss on them, not it.
-    ("%maxbatch with_aux --input 8", "loss cross-entropy over the last dimension (6 classes); "),
+    ("%maxbatch with_aux --input 8", "loss cross-entropy over the last dimension (6 classes) "
+     "(the scalar also returned at output[1] is not in it: an auxiliary loss, say, which --step "
+     "FN sizes in a loop that adds it); "),
     # A scalar computed from class scores is a term beside the cross-entropy on them.
     ("%maxbatch with_zloss --input 8", "loss cross-entropy over the last dimension (6 classes), "
      "plus the scalar with_zloss(x) returns at output[1], which is computed from output[0] (a "
      "term of its loss, as a z-loss is; --loss ce leaves it out)"),
     ("%maxbatch with_zloss --input 8 --loss ce", "loss cross-entropy over the last dimension "
-     "(6 classes); "),
+     "(6 classes) (the scalar also returned at output[1] is not in it"),
     ("%maxbatch loss_itself --input 8", "loss the model's own: loss_itself(x) returns it at "
      "output (its forward returns the loss itself, which a loop over it trains on)"),
 ])

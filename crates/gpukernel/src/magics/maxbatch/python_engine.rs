@@ -131,6 +131,9 @@ struct OutputInfo {
     /// A scalar loss the forward returns without targets, computed from the selected output.
     #[serde(default)]
     returned_loss: Option<ReturnedLoss>,
+    /// Where the output holds other scalars with a gradient, left out of the step's loss.
+    #[serde(default)]
+    left_out: Vec<String>,
     /// The forward's optional targets argument (`targets`, `labels`), if it has one.
     #[serde(default)]
     targets_parameter: Option<String>,
@@ -1057,7 +1060,9 @@ fn assumptions(
             Some(own) => Some(own_loss_text(&spec.target, own)),
             None => loss.map(|loss| {
                 let planned = loss_text(args, prepared, &loss.plan);
-                returned_loss_text(&spec.target, loss, prepared, planned)
+                let text = returned_loss_text(&spec.target, loss, prepared, planned);
+                let left_out = prepared.output.as_ref().map_or(&[][..], |o| &o.left_out);
+                format!("{text}{}", left_out_text(left_out))
             }),
         },
         precision,
@@ -1168,6 +1173,20 @@ fn own_loss_text(model: &str, own: &OwnLoss) -> String {
         p = own.parameter,
         returned = own.returned,
         targets = own.targets,
+    )
+}
+
+/// The scalars with a gradient the output also holds and the step's loss leaves out.
+fn left_out_text(left_out: &[String]) -> String {
+    let (what, are) = match left_out.len() {
+        0 => return String::new(),
+        1 => ("the scalar", "is"),
+        _ => ("the scalars", "are"),
+    };
+    format!(
+        " ({what} also returned at {} {are} not in it: an auxiliary loss, say, which --step FN \
+         sizes in a loop that adds it)",
+        left_out.join(", ")
     )
 }
 
@@ -1348,6 +1367,18 @@ mod tests {
             None,
             "nothing returned"
         );
+    }
+
+    #[test]
+    fn scalars_left_out_of_the_loss_are_named() {
+        assert_eq!(left_out_text(&[]), "");
+        assert_eq!(
+            left_out_text(&["output[1]".into()]),
+            " (the scalar also returned at output[1] is not in it: an auxiliary loss, say, \
+             which --step FN sizes in a loop that adds it)"
+        );
+        assert!(left_out_text(&["output[1]".into(), "output[2]".into()])
+            .starts_with(" (the scalars also returned at output[1], output[2] are not in it"));
     }
 
     #[test]

@@ -850,6 +850,12 @@ class ModuleStep:
                 f"from its output, and {self.name}.forward takes no targets (no optional "
                 f"{' or '.join(TARGET_PARAMETERS)}) and returns no such loss: pick --loss ce, "
                 f"mse or mean, or {STEP_HINT}")
+        if "own_loss" not in reply and not self.inference:
+            # Scalars with a gradient the step's loss leaves out (an auxiliary loss): named.
+            used = (reply.get("returned_loss") or {}).get("returned")
+            reply["left_out"] = [w for w, v in _output_items(out)
+                                 if torch.is_tensor(v) and v.dim() == 0 and v.is_floating_point()
+                                 and v.requires_grad and w != used]
         return reply
 
     def _returns_its_loss(self, out, tensor, reply):
