@@ -204,6 +204,36 @@ class TutorialLM(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(src.size(0), device=src.device)
         return s.linear(s.encoder(x, mask))
 
+class MAE(nn.Module):
+    # A masked autoencoder as facebookresearch/mae writes one (ViT-B encoder on the 25% of
+    # 16x16 patches it keeps, an 8-layer 512-wide decoder on all of them): forward(imgs)
+    # returns (loss, pred, mask), the loss on the masked patches only.
+    def __init__(s, d=768, layers=12, dd=512, dlayers=8, p=16, n=196, ratio=0.75):
+        super().__init__()
+        s.p, s.keep = p, int(n * (1 - ratio))
+        s.embed, s.pos = nn.Linear(3 * p * p, d), nn.Parameter(torch.zeros(1, n, d))
+        s.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(
+            d, 12, 4 * d, 0.0, batch_first=True, norm_first=True), layers, enable_nested_tensor=False)
+        s.to_dec, s.mask_token = nn.Linear(d, dd), nn.Parameter(torch.zeros(1, 1, dd))
+        s.dpos = nn.Parameter(torch.zeros(1, n, dd))
+        s.decoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(
+            dd, 16, 4 * dd, 0.0, batch_first=True, norm_first=True), dlayers, enable_nested_tensor=False)
+        s.pred = nn.Linear(dd, 3 * p * p)
+    def forward(s, imgs):
+        b, p = imgs.shape[0], s.p
+        patches = imgs.unfold(2, p, p).unfold(3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(b, -1, 3 * p * p)
+        n = patches.shape[1]
+        order = torch.rand(b, n, device=imgs.device).argsort(1)
+        keep = order[:, :s.keep]
+        x = (s.embed(patches) + s.pos).gather(1, keep[..., None].expand(-1, -1, s.pos.shape[-1]))
+        x = s.to_dec(s.encoder(x))
+        full = s.mask_token.to(x.dtype).expand(b, n, -1).clone()
+        full = full.scatter(1, keep[..., None].expand(-1, -1, x.shape[-1]), x)
+        pred = s.pred(s.decoder(full + s.dpos))
+        mask = torch.ones(b, n, device=imgs.device).scatter(1, keep, 0.0)
+        loss = (((pred - patches) ** 2).mean(-1) * mask).sum() / mask.sum()
+        return loss, pred, mask
+
 """
 
 LOOP = r"""
@@ -237,6 +267,7 @@ accumulate = {}  # name -> micro-batches per optimizer step (gradient accumulati
 own_loss = set()  # names trained with the model's own loss (a Hugging Face model given labels=)
 own_targets = set()  # names trained as nanoGPT is: model(x, targets) returns (logits, loss)
 loss_only = set()  # of those, names whose loop keeps the loss only (`loss = model(x, y)[1]`)
+returns_loss = set()  # names whose forward returns (loss, ...) without targets (MAE's loop)
 mse = set()  # names trained on mean squared error against their target (a denoiser)
 scheds = {}  # name -> LR scheduler stepped after every optimizer step
 clip = set()  # names whose gradients are clipped to norm 1 before the optimizer step
@@ -258,6 +289,9 @@ def train(name, batch, steps):
                     loss = m(x, y)[1] / micro
                 elif name in own_targets:  # as nanoGPT's train.py: the logits live on into
                     logits, loss = m(x, y)  # the next step's forward  # noqa: F841
+                    loss = loss / micro
+                elif name in returns_loss:  # MAE's engine_pretrain.py: `loss, _, _ = model(x)`
+                    loss, _, _ = m(x)
                     loss = loss / micro
                 elif name in mse:  # a denoiser: the noise it predicts against the noise
                     out = m(x)
@@ -679,6 +713,11 @@ ROWS = {
     "nanogpt_loss_only_fp32": ("make('nanogpt_loss_only_fp32', NanoGPT, tokens(50304, 1024)); "
                                "own_targets.add('nanogpt_loss_only_fp32'); loss_only.add('nanogpt_loss_only_fp32')",
                                "nanogpt_loss_only_fp32 --input 1024", False),
+    # A masked autoencoder, whose forward returns the loss it computes from its prediction
+    # (2026-12-06, 3a29632/52759cc: the standard step trains on that loss; not yet run).
+    "mae_vitb_bf16": ("make('mae_vitb_bf16', MAE, images(224, 1000), torch.bfloat16); "
+                      "returns_loss.add('mae_vitb_bf16')",
+                      "mae_vitb_bf16 --input 3x224x224 --amp bf16", False),
     "tutorial_seqfirst_fp32": ("make('tutorial_seqfirst_fp32', TutorialLM, seq_tokens(32000, 256))",
                                "tutorial_seqfirst_fp32 --input 256", False),
 }
