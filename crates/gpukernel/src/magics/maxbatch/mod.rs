@@ -74,8 +74,9 @@ pub(super) enum Loss {
     Mse,
     /// The output's mean.
     Mean,
-    /// The loss the model computes itself when given targets (`forward(x, targets=...)`, as
-    /// nanoGPT's; `labels=` for Hugging Face models), python engine.
+    /// The loss the model computes itself: given targets (`forward(x, targets=...)`, as
+    /// nanoGPT's; `labels=` for Hugging Face models), or from its own output without them (a
+    /// masked autoencoder's `(loss, pred, mask)`); python engine.
     Own,
 }
 
@@ -154,8 +155,10 @@ pub(super) struct Args {
     #[arg(long, value_name = "VOCAB")]
     pub(super) vocab: Option<i64>,
     /// The loss of the step (default: the model's own where its forward takes targets or
-    /// labels and returns a loss for them, as a loop written for it passes them; else
-    /// cross-entropy when the output looks like class scores, else mse; the report says which).
+    /// labels and returns a loss for them, as a loop written for it passes them, or returns
+    /// one computed from its output; else cross-entropy when the output looks like class
+    /// scores, plus a scalar computed from them such as a z-loss, else mse; the report says
+    /// which).
     #[arg(long, value_enum)]
     pub(super) loss: Option<Loss>,
     /// Classes the cross-entropy targets range over (picks the output's class dimension).
