@@ -98,6 +98,11 @@ class WithZLoss(torch.nn.Module):  # logits and a z-loss computed from them (PaL
         logits = self.head(x)
         return logits, 1e-4 * logits.logsumexp(-1).square().mean()
 
+class DetachedScores(WithZLoss):  # the loss, and the logits detached for logging
+    def forward(self, x):
+        logits = self.head(x)
+        return logits.logsumexp(-1).mean(), logits.detach()
+
 class LossItself(torch.nn.Module):  # a diffusion wrapper's forward(x): the loss
     def __init__(self):
         super().__init__()
@@ -117,6 +122,7 @@ for _ in range(2):
 lm.drop.eval()
 seg, seg_aux, traced_aux, regress = Seg(), SegAux(), TracedAux(), Regress()
 mae, with_aux, with_zloss, loss_itself = MaskedAE(), WithAuxLoss(), WithZLoss(), LossItself()
+detached_scores = DetachedScores()
 # BatchNorm after global pooling, as DeepLabV3's pooled branch: one sample per batch fails it
 pooled_bn = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1),
                                 torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4, 5))
@@ -1873,6 +1879,10 @@ def test_a_compiled_module_is_said_to_be_stepped_compiled(notebook):
      "term of its loss, as a z-loss is; --loss ce leaves it out)"),
     ("%maxbatch with_zloss --input 8 --loss ce", "loss cross-entropy over the last dimension "
      "(6 classes) (the scalar also returned at output[1] is not in it"),
+    # Scores without a gradient: the loss beside them is all a loop can train on.
+    ("%maxbatch detached_scores --input 8", "loss the model's own: detached_scores(x) returns it "
+     "at output[0] (its forward returns a loss, and output[1] carries no gradient: that loss is "
+     "what a loop over it trains on)"),
     ("%maxbatch loss_itself --input 8", "loss the model's own: loss_itself(x) returns it at "
      "output (its forward returns the loss itself, which a loop over it trains on)"),
 ])

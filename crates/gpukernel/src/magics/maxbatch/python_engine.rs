@@ -171,6 +171,10 @@ struct ReturnedLoss {
     /// The output itself is that scalar.
     #[serde(default)]
     itself: bool,
+    /// The selected output carries no gradient (detached): the scalar is all a loop can
+    /// train on.
+    #[serde(default)]
+    detached: bool,
 }
 
 /// How the standard step uses a [`ReturnedLoss`].
@@ -196,13 +200,13 @@ impl StepLoss {
     /// denoiser); added to the cross-entropy on class scores that flow into it (a loop's
     /// z-loss beside its cross-entropy); not at all under `--loss ce/mse/mean`.
     fn of(plan: LossPlan, returned: Option<&ReturnedLoss>, asked: Option<super::Loss>) -> Self {
-        let used = match asked {
+        let returned = returned.and_then(|r| match asked {
             Some(super::Loss::Own) => Some(ReturnedUse::Alone),
             Some(_) => None,
-            None if matches!(plan, LossPlan::Ce { .. }) => Some(ReturnedUse::Added),
+            // A detached output has nothing to add: the scalar is all there is to train.
+            None if matches!(plan, LossPlan::Ce { .. }) && !r.detached => Some(ReturnedUse::Added),
             None => Some(ReturnedUse::Alone),
-        };
-        let returned = returned.and(used);
+        });
         StepLoss { plan, returned }
     }
 }
@@ -1210,6 +1214,11 @@ fn returned_loss_text(
              which a loop over it trains on)",
             r.returned
         ),
+        Some(ReturnedUse::Alone) if r.detached => format!(
+            "the model's own: {model}(x) returns it at {} (its forward returns a loss, and \
+             {selected} carries no gradient: that loss is what a loop over it trains on)",
+            r.returned
+        ),
         Some(ReturnedUse::Alone) => format!(
             "the model's own: {model}(x) returns it at {} (its forward returns a loss computed \
              from {selected}, which a loop over it trains on; --loss ce, mse or mean sizes that \
@@ -1337,6 +1346,7 @@ mod tests {
         let returned = ReturnedLoss {
             returned: "output[0]".into(),
             itself: false,
+            detached: false,
         };
         let ce = LossPlan::Ce {
             classes: 10,
@@ -1367,6 +1377,11 @@ mod tests {
             None,
             "nothing returned"
         );
+        let detached = ReturnedLoss {
+            detached: true,
+            ..returned.clone()
+        };
+        assert_eq!(StepLoss::of(ce, Some(&detached), None).returned, alone);
     }
 
     #[test]

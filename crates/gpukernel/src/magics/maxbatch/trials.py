@@ -870,12 +870,15 @@ class ModuleStep:
         if found is None or not found[0].requires_grad:
             return False
         itself = found[0] is tensor
-        if not itself and not _flows_into(torch, tensor, found[0]):
+        # An output without a gradient (detached for logging) leaves that loss the only thing
+        # a loop can train on.
+        detached = not itself and not tensor.requires_grad
+        if not itself and not detached and not _flows_into(torch, tensor, found[0]):
             # One compiled graph returning both hides the path inside its autograd node: the
             # same forward run eagerly shows it.
             if not self._compiled() or not self._flows_eagerly():
                 return False
-        reply["returned_loss"] = {"returned": found[1], "itself": itself}
+        reply["returned_loss"] = {"returned": found[1], "itself": itself, "detached": detached}
         return True
 
     def _compiled(self):
