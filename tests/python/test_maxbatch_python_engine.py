@@ -937,7 +937,8 @@ def test_the_step_trains_on_the_loss_a_model_computes_from_its_output(trials):
     ns = {"model": model}
     reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [6]})
     call(trials, ns, "close")
-    assert reply["output"]["returned_loss"] == {"returned": "output[0]", "itself": False}, reply
+    assert reply["output"]["returned_loss"] == {"returned": "output[0]", "itself": False,
+                                                "detached": False}, reply
 
 
 def test_the_held_output_is_counted_as_the_loop_holds_it(trials):
