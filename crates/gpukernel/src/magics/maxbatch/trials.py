@@ -542,11 +542,16 @@ def _select_output(torch, out):
                         "tensor to compute a loss on; use --step FN with your own step")
 
 
+def _scalar(torch, v):
+    """Whether `v` is a floating-point scalar tensor: a loss, or a term of one."""
+    return torch.is_tensor(v) and v.dim() == 0 and v.is_floating_point()
+
+
 def _returned_loss(torch, out):
     """The scalar loss a model returned with its output (`(logits, loss)`, a Hugging Face
     output's `.loss`) or alone: (tensor, how it was found), or None."""
     def scalar(v):
-        return torch.is_tensor(v) and v.dim() == 0 and v.is_floating_point()
+        return _scalar(torch, v)
     if scalar(out):
         return out, "output"
     if scalar(getattr(out, "loss", None)):
@@ -852,10 +857,11 @@ class ModuleStep:
                 f"mse or mean, or {STEP_HINT}")
         if "own_loss" not in reply and not self.inference:
             # Scalars with a gradient the step's loss leaves out (an auxiliary loss): named.
-            used = (reply.get("returned_loss") or {}).get("returned")
+            # The one it uses goes by identity: a Hugging Face output names it two ways
+            # (`output.loss`, `output['loss']`).
+            used = _returned_loss(torch, out)[0] if "returned_loss" in reply else None
             reply["left_out"] = [w for w, v in _output_items(out)
-                                 if torch.is_tensor(v) and v.dim() == 0 and v.is_floating_point()
-                                 and v.requires_grad and w != used]
+                                 if _scalar(torch, v) and v.requires_grad and v is not used]
         return reply
 
     def _returns_its_loss(self, out, tensor, reply):
@@ -1106,24 +1112,22 @@ class ModuleStep:
         model or submodule runs eagerly."""
         import contextlib
         torch, model = self.torch, self.model
-        force_eager = eager
-        eager = contextlib.nullcontext()
-        if (force_eager or targets or (watch is not None and watch.hooked)
-                or self.targets_parameter):
+        stance = contextlib.nullcontext()
+        if eager or targets or (watch is not None and watch.hooked) or self.targets_parameter:
             # Hooks inside a torch.compile'd model or submodule make dynamo trace it again
             # (minutes for a large model; and it cannot import this private module), as do
             # arguments it has not been called with; and a forward that takes targets may be
             # stepped with them, so its graph without them would be compiled for nothing: the
             # probe runs it eagerly, with the same shapes.
-            stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
-            if stance is not None:
-                eager = stance("force_eager")
+            set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
+            if set_stance is not None:
+                stance = set_stance("force_eager")
             elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
                 model = model._orig_mod
         watching = watch if watch is not None else contextlib.nullcontext()
         grad = bool(targets) or not self.inference
         try:
-            with eager, watching, torch.set_grad_enabled(grad), self._autocast():
+            with stance, watching, torch.set_grad_enabled(grad), self._autocast():
                 return model(x, **(targets or {})), None
         except Exception as err:
             lines = str(err).strip().splitlines()
