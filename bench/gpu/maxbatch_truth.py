@@ -268,6 +268,7 @@ own_loss = set()  # names trained with the model's own loss (a Hugging Face mode
 own_targets = set()  # names trained as nanoGPT is: model(x, targets) returns (logits, loss)
 loss_only = set()  # of those, names whose loop keeps the loss only (`loss = model(x, y)[1]`)
 returns_loss = set()  # names whose forward returns (loss, ...) without targets (MAE's loop)
+hf_returns_loss = set()  # names whose Hugging Face output carries its loss without labels (ViTMAE)
 mse = set()  # names trained on mean squared error against their target (a denoiser)
 scheds = {}  # name -> LR scheduler stepped after every optimizer step
 clip = set()  # names whose gradients are clipped to norm 1 before the optimizer step
@@ -293,6 +294,8 @@ def train(name, batch, steps):
                 elif name in returns_loss:  # MAE's engine_pretrain.py: `loss, _, _ = model(x)`
                     loss, _, _ = m(x)
                     loss = loss / micro
+                elif name in hf_returns_loss:  # a Hugging Face pre-training model: `.loss`
+                    loss = m(pixel_values=x).loss / micro
                 elif name in mse:  # a denoiser: the noise it predicts against the noise
                     out = m(x)
                     loss = F.mse_loss(out, y) / micro
@@ -543,6 +546,10 @@ def gpt_sched_step(batch):   # --step with clipping and a OneCycle schedule, Ada
 def rn50_cl_step(batch):   # --step on a channels_last ResNet-50 under bf16 autocast
     train("rn50cl", batch, 1)
 
+def hf_vitmae():  # Hugging Face ViTMAEForPreTraining (ViT-B encoder, 8-layer decoder, 75% masked)
+    from transformers import ViTMAEConfig, ViTMAEForPreTraining
+    return ViTMAEForPreTraining(ViTMAEConfig())
+
 def hf_t5():  # Hugging Face T5-small (60M), an encoder-decoder trained with its own loss
     from transformers import T5Config, T5ForConditionalGeneration
     return T5ForConditionalGeneration(T5Config(vocab_size=32128, decoder_start_token_id=0, pad_token_id=0))
@@ -718,6 +725,11 @@ ROWS = {
     "mae_vitb_bf16": ("make('mae_vitb_bf16', MAE, images(224, 1000), torch.bfloat16); "
                       "returns_loss.add('mae_vitb_bf16')",
                       "mae_vitb_bf16 --input 3x224x224 --amp bf16", False),
+    # The same pre-training from a model outside this file: transformers' ViTMAEForPreTraining,
+    # whose output carries the loss it computes from its logits (2026-12-06).
+    "hf_vitmae_bf16": ("make('hf_vitmae_bf16', hf_vitmae, images(224, 1000), torch.bfloat16); "
+                       "hf_returns_loss.add('hf_vitmae_bf16')",
+                       "hf_vitmae_bf16 --input 3x224x224 --amp bf16", False),
     "tutorial_seqfirst_fp32": ("make('tutorial_seqfirst_fp32', TutorialLM, seq_tokens(32000, 256))",
                                "tutorial_seqfirst_fp32 --input 256", False),
 }
