@@ -268,6 +268,7 @@ own_loss = set()  # names trained with the model's own loss (a Hugging Face mode
 own_targets = set()  # names trained as nanoGPT is: model(x, targets) returns (logits, loss)
 loss_only = set()  # of those, names whose loop keeps the loss only (`loss = model(x, y)[1]`)
 returns_loss = set()  # names whose forward returns (loss, ...) without targets (MAE's loop)
+returns_loss_held = set()  # of those, names whose loop keeps the whole output into the next step
 hf_returns_loss = set()  # names whose Hugging Face output carries its loss without labels (ViTMAE)
 mse = set()  # names trained on mean squared error against their target (a denoiser)
 scheds = {}  # name -> LR scheduler stepped after every optimizer step
@@ -294,6 +295,9 @@ def train(name, batch, steps):
                 elif name in returns_loss:  # MAE's engine_pretrain.py: `loss, _, _ = model(x)`
                     loss, _, _ = m(x)
                     loss = loss / micro
+                elif name in returns_loss_held:  # the same, its output kept (to log `pred`)
+                    out = m(x)
+                    loss = out[0] / micro
                 elif name in hf_returns_loss:  # a Hugging Face pre-training model: `.loss`
                     loss = m(pixel_values=x).loss / micro
                 elif name in mse:  # a denoiser: the noise it predicts against the noise
@@ -725,6 +729,11 @@ ROWS = {
     "mae_vitb_bf16": ("make('mae_vitb_bf16', MAE, images(224, 1000), torch.bfloat16); "
                       "returns_loss.add('mae_vitb_bf16')",
                       "mae_vitb_bf16 --input 3x224x224 --amp bf16", False),
+    # The same in a loop that keeps the output (`out = model(x)`) into the next step, as the
+    # standard step does: whether that is the difference between the two (2026-12-06).
+    "mae_vitb_bf16_held": ("make('mae_vitb_bf16_held', MAE, images(224, 1000), torch.bfloat16); "
+                           "returns_loss_held.add('mae_vitb_bf16_held')",
+                           "mae_vitb_bf16_held --input 3x224x224 --amp bf16", False),
     # The same pre-training from a model outside this file: transformers' ViTMAEForPreTraining,
     # whose output carries the loss it computes from its logits (2026-12-06).
     "hf_vitmae_bf16": ("make('hf_vitmae_bf16', hf_vitmae, images(224, 1000), torch.bfloat16); "
@@ -764,8 +773,10 @@ def magic_row(v, wall_seconds):
             "trial_steps": v.get("trial_steps"),
             "confirmation": v.get("confirmation"), "timings_ms": v.get("timings_ms"),
             "notes": v.get("notes"),
+            # [batch, result, peak, reserved, {outside, optimizer} peaks or None]
             "trial_list": [[t["batch"], t["outcome"]["result"], t["outcome"].get("peak"),
-                            t["outcome"].get("reserved")] for t in v["trials"]]}
+                            t["outcome"].get("reserved"), t["outcome"].get("phases")]
+                           for t in v["trials"]]}
 
 
 class Notebook:

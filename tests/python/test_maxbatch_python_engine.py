@@ -791,6 +791,79 @@ def test_state_the_trial_created_is_dropped_and_state_it_changed_restored(trials
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
 
 
+class FakeAllocator:
+    """Allocated bytes and their peak since the last reset, as torch's caching allocator
+    counts them (its counters need a GPU)."""
+
+    def __init__(self, base):
+        self.current = self.high = base
+
+    def alloc(self, n):
+        self.current += n
+        self.high = max(self.high, self.current)
+
+    def free(self, n):
+        self.current -= n
+
+    def stats(self):
+        return (lambda: self.high, lambda: self.high + 7, self.reset)
+
+    def reset(self):
+        self.high = self.current
+
+
+def test_phase_peaks_part_the_optimizers_update_from_the_rest_of_the_step(trials):
+    import torch
+
+    fake = FakeAllocator(1000)
+
+    class Update(torch.optim.AdamW):  # a user's own optimizer class: torch wraps its step too
+        def step(self, closure=None):
+            fake.alloc(300)  # the update's temporaries
+            fake.free(300)
+            return super().step(closure)
+
+    model = torch.nn.Linear(4, 2)
+    opt = Update(model.parameters())
+    optim = importlib.import_module("torch.optim.optimizer")
+    hooks = dict(optim._global_optimizer_pre_hooks)
+    peaks = trials.PhasePeaks(torch, fake.stats())
+    peaks.start()
+    try:
+        for activations in (100, 120):  # two steps, the second's forward larger
+            fake.alloc(activations)
+            model(torch.randn(3, 4)).sum().backward()
+            fake.free(activations)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        peaks.stop()
+    assert peaks.phases() == {"outside": 1120, "optimizer": 1300}
+    assert peaks.allocated() == 1300
+    assert peaks.reserved() == 1307
+    # The hooks are gone: the user's own steps afterwards are not watched.
+    assert dict(optim._global_optimizer_pre_hooks) == hooks
+    assert dict(optim._global_optimizer_post_hooks) == {}
+    opt.step()
+    assert peaks.phases() == {"outside": 1120, "optimizer": 1300}
+
+    # A GradScaler that skips the update (an overflow): no optimizer phase, the whole peak.
+    fake = FakeAllocator(1000)
+    scaler = torch.amp.GradScaler("cpu")
+    peaks = trials.PhasePeaks(torch, fake.stats())
+    peaks.start()
+    try:
+        fake.alloc(100)
+        scaler.scale(model(torch.randn(3, 4)).sum() * float("inf")).backward()
+        fake.free(100)
+        scaler.step(opt)
+        scaler.update()
+    finally:
+        peaks.stop()
+    assert peaks.phases() is None
+    assert peaks.allocated() == 1100
+
+
 def _seq_first_prepare(trials, model, **spec):
     """prepare's reply for `model`, and the input shapes its forward saw in one trial of 5."""
     import torch

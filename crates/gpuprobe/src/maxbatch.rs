@@ -478,6 +478,7 @@ fn trial(
                 outcome: Outcome::Ran {
                     peak: stats.allocated_bytes.peak.max(0) as u64,
                     reserved: stats.reserved_bytes.peak.max(0) as u64,
+                    phases: None,
                 },
                 reserved_peak: stats.reserved_bytes.peak.max(0) as u64,
                 active_peak: stats.active_bytes.peak.max(0) as u64,

@@ -243,6 +243,7 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
                 Ok(Outcome::Ran {
                     peak: peak.min(limit),
                     reserved: reserved.min(limit),
+                    phases: None,
                 })
             };
             let result = search(&config, probe);

@@ -10,7 +10,7 @@ use super::{Args, SearchKind};
 use crate::magics::python::{module_call_expression, Bound, EvalError, PythonKernel};
 use crate::magics::{MagicContext, MagicError, Output};
 use gpuprobe::loss::{self, LossInputs, LossPlan};
-use gpuprobe::search::{self, Outcome, SearchConfig, SearchResult, Stop};
+use gpuprobe::search::{self, Outcome, Phase, PhasePeaks, SearchConfig, SearchResult, Stop};
 use gpuprobe::units::human_bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -239,6 +239,9 @@ struct TrialReply {
     peak_allocated: Option<u64>,
     #[serde(default)]
     peak_reserved: Option<u64>,
+    /// The allocated peak outside the optimizer's step and inside it, where one ran.
+    #[serde(default)]
+    phase_peaks: Option<PhasePeaks>,
     #[serde(default)]
     samples_per_s: Option<f64>,
     /// The steps it ran: fewer than asked once a step repeated the one before.
@@ -849,6 +852,7 @@ fn outcome(reply: &TrialReply, batch: u64, held_before: u64) -> Result<Outcome, 
             Ok(Outcome::Ran {
                 peak,
                 reserved: reply.peak_reserved.unwrap_or(0),
+                phases: reply.phase_peaks,
             })
         }
     }
@@ -1235,12 +1239,12 @@ fn returned_loss_text(
 }
 
 /// The step's memory per sample, from the smallest and the largest batch that ran (the
-/// search's opening line has no second point where its second opening failed).
+/// search's opening line has no second point where its second opening failed), outside the
+/// optimizer's step, whose peak barely grows with the batch.
 fn step_sample_bytes(trials: &[search::Trial]) -> Option<f64> {
-    let ran = trials.iter().filter_map(|t| match t.outcome {
-        Outcome::Ran { peak, .. } => Some((t.batch, peak)),
-        Outcome::OutOfMemory => None,
-    });
+    let ran = trials
+        .iter()
+        .filter_map(|t| Some((t.batch, t.outcome.peak_in(Phase::Outside)?)));
     let low = ran.clone().min_by_key(|(b, _)| *b)?;
     let high = ran.max_by_key(|(b, _)| *b)?;
     (high.0 > low.0).then(|| (high.1 as f64 - low.1 as f64) / (high.0 - low.0) as f64)
@@ -1497,6 +1501,7 @@ mod tests {
             outcome: peak.map_or(Outcome::OutOfMemory, |peak| Outcome::Ran {
                 peak,
                 reserved: 0,
+                phases: None,
             }),
             fits: peak.is_some(),
         };
@@ -1545,7 +1550,23 @@ mod tests {
             outcome(&ran, 4, 100),
             Ok(Outcome::Ran {
                 peak: 900,
-                reserved: 1000
+                reserved: 1000,
+                phases: None,
+            })
+        );
+        let split = reply(
+            r#"{"batch": 4, "result": "ran", "ms": 3.0, "peak_allocated": 900,
+                "phase_peaks": {"outside": 700, "optimizer": 900}}"#,
+        );
+        assert_eq!(
+            outcome(&split, 4, 100),
+            Ok(Outcome::Ran {
+                peak: 900,
+                reserved: 0,
+                phases: Some(PhasePeaks {
+                    outside: 700,
+                    optimizer: 900
+                }),
             })
         );
         let oom = reply(

@@ -533,6 +533,7 @@ mod tests {
             outcome: Outcome::Ran {
                 peak,
                 reserved: peak,
+                phases: None,
             },
             fits: true,
         };
@@ -685,6 +686,7 @@ mod tests {
                 outcome: Outcome::Ran {
                     peak: 1 << 30,
                     reserved: 1 << 30,
+                    phases: None,
                 },
                 fits: true,
                 ms: 12.0,

@@ -38,6 +38,7 @@ message's text. A step that returns has trained its batch, whatever it caught on
 """
 
 import gc
+import importlib
 import sys
 import time
 
@@ -1309,6 +1310,85 @@ class FunctionStep:
 
 # --- the session: prepare, trials, close -------------------------------------------------
 
+class PhasePeaks:
+    """A trial's peak allocated memory apart outside an optimizer's step and inside it.
+
+    gpuprobe's search fits a line to each: the update's peak (weights, gradients, optimizer
+    state and its temporaries) barely grows with the batch, and where it is the step's peak at
+    the small opening batches, a line through whole peaks is too flat and overshoots. Every
+    optimizer's ``step`` runs torch's global step hooks (a GradScaler's too, when it steps;
+    an LBFGS closure's forward counts as inside), so the phases are marked for any loop, the
+    user's own ``--step`` included. Where the phase changes, its peak is read and the
+    allocator's peak counters reset, so the trial's whole peaks (allocated and reserved) are
+    kept here: the allocator's own then cover only the phase since the last change.
+    ``stats``: the peak allocated, the peak reserved and the reset (the CUDA allocator's, or a
+    test's)."""
+
+    def __init__(self, torch, stats):
+        self.torch = torch
+        self._peak_allocated, self._peak_reserved, self._reset = stats
+        self.depth = 0  # optimizer steps entered and not left (a wrapper steps its inner one)
+        self.stepped = False
+        self.peaks = [0, 0]  # outside, inside
+        self._reserved = 0
+        self.handles = []
+
+    @classmethod
+    def of_cuda(cls, torch, device):
+        cuda = torch.cuda
+        return cls(torch, (lambda: cuda.max_memory_allocated(device),
+                           lambda: cuda.max_memory_reserved(device),
+                           lambda: cuda.reset_peak_memory_stats(device)))
+
+    def start(self):
+        self._reset()
+        optim = importlib.import_module("torch.optim.optimizer")  # not an attribute of torch.optim
+        # A step torch.compile traces must not trace the hooks (only where dynamo is loaded
+        # already: importing it costs a second).
+        dynamo = sys.modules.get("torch._dynamo")
+        plain = dynamo.disable if dynamo is not None else (lambda f: f)
+        self.handles = [optim.register_optimizer_step_pre_hook(plain(self._entered)),
+                        optim.register_optimizer_step_post_hook(plain(self._left))]
+
+    def stop(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self._fold()
+
+    def _fold(self):
+        inside = int(self.depth > 0)
+        self.peaks[inside] = max(self.peaks[inside], self._peak_allocated())
+        self._reserved = max(self._reserved, self._peak_reserved())
+
+    def _switch(self, depth):
+        self._fold()
+        self._reset()
+        self.depth = depth
+
+    def _entered(self, optimizer, args, kwargs):
+        self.stepped = True
+        self._switch(self.depth + 1)
+
+    def _left(self, optimizer, args, kwargs):
+        self._switch(max(0, self.depth - 1))
+
+    def allocated(self):
+        self._fold()
+        return max(self.peaks)
+
+    def reserved(self):
+        self._fold()
+        return self._reserved
+
+    def phases(self):
+        """{"outside", "optimizer"} peaks, or None where no optimizer stepped (a GradScaler
+        that skipped every step, a step function without a torch optimizer)."""
+        if not self.stepped:
+            return None
+        return {"outside": self.peaks[0], "optimizer": self.peaks[1]}
+
+
 class Session:
     def __init__(self, user_ns, spec):
         torch = _torch()
@@ -1346,6 +1426,7 @@ class Session:
         self.trials = 0
         self.settled = False
         self.saved_fraction = None  # the allocator's cap before --limit changed it
+        self.peaks = None  # the running trial's PhasePeaks (None off the GPU)
 
     def on_gpu(self):
         return self.device.type == "cuda"
@@ -1457,9 +1538,9 @@ class Session:
     def _far_below(self, limit):
         """Whether the steps so far kept the cache far enough below `limit` that a step
         needing a little more than the one before cannot reach it."""
-        if not self.on_gpu():
+        if self.peaks is None:
             return True
-        return self.torch.cuda.max_memory_reserved(self.device) <= STEADY_HEADROOM * limit
+        return self.peaks.reserved() <= STEADY_HEADROOM * limit
 
     def _run_steps(self, batch, most, until_steady=True):
         """Runs up to `most` steps, synchronized; returns how many ran (`self.steps_ran` counts
@@ -1505,13 +1586,13 @@ class Session:
         if not self.settled:  # the previous trial's end left the cache empty and nothing to collect
             self._settle()
         self.settled = False
-        d = self.device
-        if self.on_gpu():
-            torch.cuda.reset_peak_memory_stats(d)
+        self.peaks = peaks = PhasePeaks.of_cuda(torch, self.device) if self.on_gpu() else None
         before_ooms = self._num_ooms()
         result = {"batch": batch, "settle_ms": (time.perf_counter() - began) * 1000.0}
         started = time.perf_counter()
         try:
+            if peaks is not None:
+                peaks.start()
             result["steps"] = self._run_steps(batch, steps)
             if timed:
                 t0 = time.perf_counter()
@@ -1538,10 +1619,15 @@ class Session:
                                    "where": _where(err)}
             _drop_frames(err)
             del err
+        finally:
+            if peaks is not None:
+                peaks.stop()  # the hooks go, whatever ended the steps
         result["ms"] = (time.perf_counter() - started) * 1000.0
-        if self.on_gpu():
-            result["peak_allocated"] = torch.cuda.max_memory_allocated(d)
-            result["peak_reserved"] = torch.cuda.max_memory_reserved(d)
+        if peaks is not None:
+            result["peak_allocated"] = peaks.allocated()
+            result["peak_reserved"] = peaks.reserved()
+            if peaks.phases() is not None:
+                result["phase_peaks"] = peaks.phases()
         clock = _Clock()  # where the time between two trials goes
         gc.collect()  # the step's garbage (cycles too) goes before the state comes back
         clock.lap("collect")
