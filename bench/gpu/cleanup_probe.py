@@ -9,7 +9,6 @@ Usage (repo root, GPU machine): python3 bench/gpu/cleanup_probe.py
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 

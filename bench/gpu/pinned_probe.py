@@ -9,7 +9,6 @@ buffer carved into views, (c) pageable memory. Prints one JSON line per way.
 Usage (repo root, GPU machine): python3 bench/gpu/pinned_probe.py
 """
 
-import json
 import subprocess
 import sys
 

@@ -16,7 +16,7 @@ from datetime import datetime
 
 import pytest
 
-from kernel_client import collect, execute, running_kernel
+from kernel_client import execute, running_kernel
 
 GIB = 1 << 30
 

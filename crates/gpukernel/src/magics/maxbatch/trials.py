@@ -1296,10 +1296,10 @@ class FunctionStep:
 
     def steps(self, batch):
         """The calls, one per `next()`, without end: the caller stops them."""
-        result = None  # noqa: F841 (alive until the next call returns, as in a loop)
+        result = None  # alive until the next call returns, as in a loop
         while True:
             result = self.fn(batch)
-            yield
+            yield result
 
     def scalers(self):
         return []  # the step's own are among the state found through its references
@@ -1640,7 +1640,7 @@ class Session:
         clock.lap("restore")
         result["cleanup_ms"] = clock.laps
         if self.on_gpu():
-            result["allocated_after"] = torch.cuda.memory_allocated(d)
+            result["allocated_after"] = torch.cuda.memory_allocated(self.device)
         return result
 
 
