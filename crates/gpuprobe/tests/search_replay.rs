@@ -1,14 +1,15 @@
 //! The search replayed against memory curves measured in users' own training loops on an H200
 //! and an H100 (`bench/gpu/maxbatch_truth.py`, committed under `bench/results/`: the runs named
-//! in `RUNS`, every one that recorded the truth's curve up to 2026-12-06l, 176 model runs of 38
-//! models whose maxima moved between runs; the first 112 runs, of 17 models, up to 2026-12-04f). Each curve is the peak allocated and reserved bytes of the
+//! in `RUNS`, every one that recorded the truth's curve up to 2026-12-06p but for three models
+//! named below, 192 model runs of 38 models whose maxima moved between runs; the first 112
+//! runs, of 17 models, up to 2026-12-04f). Each curve is the peak allocated and reserved bytes of the
 //! notebook's loop at a set of batch sizes, and its true maximum from an exact bisection of that
 //! loop. A replayed trial interpolates the curve; a batch above the true maximum runs out of
 //! memory. The search targets hold here: every answer within 1.5% below the truth, at
 //! most 10 trials, 6 in the median (7 with the trial that runs the recommendation). Its time
 //! target (a third of Lightning's double-then-bisect to the exact maximum) does not: by the
-//! cost model below the search alone costs 0.388 of the baseline's compute on the same curves,
-//! and 0.491 with the trial %maxbatch adds to run its recommendation (unless the search ran
+//! cost model below the search alone costs 0.389 of the baseline's compute on the same curves,
+//! and 0.493 with the trial %maxbatch adds to run its recommendation (unless the search ran
 //! that batch); 0.377 and 0.481 on the first 112 runs. Both are guarded at their level, not
 //! passed off as the target. (On the 18 survey curves alone they were 0.340 and 0.450; biasing
 //! the closing bisection towards the top, where a failure is cheaper than a fit, moved them by
@@ -66,7 +67,7 @@ struct Held {
 
 /// The runs replayed, named so that a new run committed under bench/results changes nothing
 /// here until it is added (and the levels below measured again).
-const RUNS: [&str; 36] = [
+const RUNS: [&str; 39] = [
     "maxbatch-survey-2026-12-03-run2.json",
     "maxbatch-survey-2026-12-03.json",
     "maxbatch-truth-2026-12-03-run2a.json",
@@ -103,7 +104,19 @@ const RUNS: [&str; 36] = [
     "maxbatch-truth-2026-12-06j.json",
     "maxbatch-truth-2026-12-06k.json",
     "maxbatch-truth-2026-12-06l.json",
+    "maxbatch-truth-2026-12-06n.json",
+    "maxbatch-truth-2026-12-06o.json",
+    "maxbatch-truth-2026-12-06p.json",
 ];
+
+/// Models whose curves cannot be replayed: a curve holds each probe's whole peak, and at their
+/// small batches that is the optimizer's update (AdamW over 112M parameters), not the forward
+/// and backward that grow with the batch. The live search tells the two apart by the trials'
+/// phase peaks (7 trials each in maxbatch-truth-2026-12-06n, where whole peaks took 12 and 13
+/// in -06m); a curve has no phases, so replayed they would take the whole peaks' path. Their
+/// line is replayed, with phases, in search.rs (`an_update_that_peaks_above_small_batches_...`).
+const UPDATE_PEAKS_AT_SMALL_BATCHES: [&str; 3] =
+    ["mae_vitb_bf16", "mae_vitb_bf16_held", "hf_vitmae_bf16"];
 
 fn surveys() -> Vec<(PathBuf, Survey)> {
     // At run time, not `env!`: a test binary cargo reuses from a checkout at another path
@@ -215,6 +228,7 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
             .rows
             .iter()
             .filter(|r| r.engine == "python" && r.curve.len() >= 3)
+            .filter(|r| !UPDATE_PEAKS_AT_SMALL_BATCHES.contains(&r.model.as_str()))
         {
             let mut points: Vec<(u64, u64, u64)> = row
                 .curve
