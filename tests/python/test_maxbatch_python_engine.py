@@ -1977,8 +1977,18 @@ def test_a_compiled_module_is_said_to_be_stepped_compiled(notebook):
                 "may compile again, before its trial's steps)") in text, text
         plain = report_of(kc, "%maxbatch seg --input 3x8x8")
         assert "compiled" not in plain, plain
+        # Only a layer compiled, as users compile a model's blocks.
+        reply, _ = execute(kc, "with torch.random.fork_rng():\n"
+                           "    part_seg = Seg()\n"
+                           "    part_seg.conv = torch.compile(part_seg.conv, backend='eager')",
+                           timeout=60)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        part = report_of(kc, "%maxbatch part_seg --input 3x8x8")
+        assert ("a standard step of part_seg (parts of it compiled by torch.compile: a new "
+                "batch size may compile them again, before its trial's steps)") in part, part
     finally:
         execute(kc, "del compiled_seg", timeout=60)
+        execute(kc, "del part_seg", timeout=60)
     assert_untouched(kc)
 
 

@@ -94,10 +94,10 @@ struct Described {
     weights_dtype: Option<String>,
     #[serde(default)]
     grad_scaler: bool,
-    /// The module is a `torch.compile` wrapper: the trials run its compiled graphs, as the
-    /// user's loop does, compiling again where a new batch size asks for it.
+    /// torch.compile wraps the module, or modules in it: the trials run the compiled graphs,
+    /// as the user's loop does, compiling again where a new batch size asks for it.
     #[serde(default)]
-    compiled: bool,
+    compiled: Option<Compiled>,
     /// Optimizers that had not stepped yet: the first trial creates their state.
     #[serde(default)]
     optimizers_without_state: Vec<String>,
@@ -226,6 +226,16 @@ struct StepError {
     evalue: String,
     #[serde(rename = "where")]
     location: Option<String>,
+}
+
+/// What of the module torch.compile wraps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Compiled {
+    /// The module itself (`model = torch.compile(model)`).
+    Whole,
+    /// Only modules inside it (`model.blocks = torch.compile(model.blocks)`).
+    Part,
 }
 
 /// `trial`'s reply.
@@ -1089,11 +1099,16 @@ fn standard_step_text(args: &Args, spec: &Spec, d: &Described) -> String {
     } else {
         ""
     };
-    let compiled = if d.compiled {
-        " (compiled by torch.compile: a new batch size may compile again, before its trial's \
-         steps)"
-    } else {
-        ""
+    let compiled = match d.compiled {
+        Some(Compiled::Whole) => {
+            " (compiled by torch.compile: a new batch size may compile again, before its \
+             trial's steps)"
+        }
+        Some(Compiled::Part) => {
+            " (parts of it compiled by torch.compile: a new batch size may compile them again, \
+             before its trial's steps)"
+        }
+        None => "",
     };
     format!(
         "a standard step of {}{compiled}: zero_grad, forward, loss, backward{scaler}, optimizer \

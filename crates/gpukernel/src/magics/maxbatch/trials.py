@@ -889,9 +889,11 @@ class ModuleStep:
         return True
 
     def _compiled(self):
-        """Whether torch.compile wraps the model or any module in it."""
-        return any(isinstance(getattr(m, "_orig_mod", None), self.torch.nn.Module)
-                   for m in (self.model, *self.model.modules()))
+        """What torch.compile wraps: "whole" (the model), "part" (modules in it) or None."""
+        wraps = lambda m: isinstance(getattr(m, "_orig_mod", None), self.torch.nn.Module)  # noqa: E731
+        if wraps(self.model):
+            return "whole"
+        return "part" if any(wraps(m) for m in self.model.modules()) else None
 
     def _flows_eagerly(self):
         """`_returns_its_loss`'s check on an eager forward of the compiled model."""
@@ -1272,8 +1274,7 @@ class ModuleStep:
                 str(self.dtype).replace("torch.", ""),
                 "parameters": sum(p.numel() for p in self.model.parameters()),
                 "grad_scaler": self.scaler is not None,
-                "compiled": isinstance(getattr(self.model, "_orig_mod", None),
-                                       self.torch.nn.Module)}
+                "compiled": self._compiled()}
 
 
 class FunctionStep:
