@@ -77,9 +77,24 @@ impl Outcome {
     /// (then its whole peak counts as outside).
     pub fn peak_in(&self, phase: Phase) -> Option<u64> {
         match (*self, phase) {
-            (Outcome::Ran { phases: Some(p), .. }, Phase::Outside) => Some(p.outside),
-            (Outcome::Ran { phases: Some(p), .. }, Phase::Optimizer) => Some(p.optimizer),
-            (Outcome::Ran { peak, phases: None, .. }, Phase::Outside) => Some(peak),
+            (
+                Outcome::Ran {
+                    phases: Some(p), ..
+                },
+                Phase::Outside,
+            ) => Some(p.outside),
+            (
+                Outcome::Ran {
+                    phases: Some(p), ..
+                },
+                Phase::Optimizer,
+            ) => Some(p.optimizer),
+            (
+                Outcome::Ran {
+                    peak, phases: None, ..
+                },
+                Phase::Outside,
+            ) => Some(peak),
             _ => None,
         }
     }
@@ -181,10 +196,11 @@ pub fn search(
         return state.finish(Some(stop));
     }
     // After a failing first opening the search goes down from it, not up to the second.
-    let second = state.trials[0]
-        .outcome
-        .peak_in(Phase::Outside)
-        .map(|peak| config.second_opening(first, peak).clamp(1, config.max_batch));
+    let second = state.trials[0].outcome.peak_in(Phase::Outside).map(|peak| {
+        config
+            .second_opening(first, peak)
+            .clamp(1, config.max_batch)
+    });
     if let Some(second) = second.filter(|&b| b != first && !state.done()) {
         if let Err(stop) = state.run(second, &mut probe) {
             return state.finish(Some(stop));
@@ -638,7 +654,11 @@ mod tests {
         let whole = search(&config, autoencoder(false));
         let failed = whole.trials.iter().filter(|t| !t.fits).count();
         assert!(failed >= 3, "{:?}", whole.trials);
-        assert!(whole.trials.len() > split.trials.len() + 3, "{:?}", whole.trials);
+        assert!(
+            whole.trials.len() > split.trials.len() + 3,
+            "{:?}",
+            whole.trials
+        );
     }
 
     // The synthetic devices below need exactly the allocated bytes, the band's top edge; the
