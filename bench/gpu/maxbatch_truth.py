@@ -46,6 +46,9 @@ SURVEY = os.environ.get("SURVEY") == "1"
 # TIMING=1: ours and the baseline only (no truth, no 30 steps, no libtorch rows): where the
 # searches' time goes, from their timings_ms.
 TIMING = os.environ.get("TIMING") == "1"
+# LIBTORCH_ONLY=1: the libtorch engine's search alone on each row's module (no python engine,
+# no truth): its trials and their phase peaks.
+LIBTORCH_ONLY = os.environ.get("LIBTORCH_ONLY") == "1"
 
 MODELS = r"""
 import copy, gc, math, time
@@ -951,6 +954,11 @@ def main() -> int:
             # alone for what any first step in the process pays (CUDA modules loaded, cuBLAS
             # and cuDNN set up): warm both, as a notebook that has run its loop once is.
             nb.value(f"fits({key!r}, 2)")
+            if LIBTORCH_ONLY:
+                results["rows"].append(libtorch_row(nb, name, args, None))
+                save()
+                nb.run(f"drop({key!r})")
+                continue
             row = {"model": name, "engine": "python", "args": args}
             if name in FIRST_TRY:
                 row["first_try"] = {"args": FIRST_TRY[name], **nb.magic(FIRST_TRY[name])}

@@ -170,6 +170,8 @@ struct Trainer {
     /// (65 MB at 512 tokens x 32k vocab in fp32) that the peak includes; dropped right after
     /// the loss, the engine's answer came out 15% above the user's loop (maxbatch-truth-2026-12-03).
     last_output: Option<Output>,
+    /// The running trial's peaks, apart inside the optimizer's step and outside it (CUDA only).
+    peaks: Option<TrialPeaks>,
 }
 
 impl Trainer {
@@ -233,6 +235,7 @@ impl Trainer {
                 .filter(|s| s.is_finite() && *s > 0.0)
                 .map(std::time::Duration::from_secs_f64),
             last_output: None,
+            peaks: None,
         };
         if !request.inference {
             let (plan, inputs) = trainer.plan_loss(request)?;
@@ -394,7 +397,13 @@ impl Trainer {
         let loss = self.forward_loss(&x)?;
         loss.f_backward()?;
         if let Some(optimizer) = &mut self.optimizer {
+            if let Some(peaks) = &mut self.peaks {
+                peaks.switch(true)?;
+            }
             optimizer.step()?;
+            if let Some(peaks) = &mut self.peaks {
+                peaks.switch(false)?;
+            }
             optimizer.zero_grad()?;
         } else {
             for p in self.parameters() {
@@ -415,6 +424,82 @@ fn ooms(device: usize) -> i64 {
 }
 
 use crate::plugin_api::STEPS_PER_TRIAL;
+
+/// A trial's peaks from the allocator's counters, which are reset where the optimizer's step
+/// begins and ends so that its update's peak is read apart from the forward and backward's
+/// (the search fits a line to each: see `search::PhasePeaks`); the whole trial's peaks are
+/// folded here across those resets.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct TrialPeaks {
+    device: usize,
+    inside: bool,
+    stepped: bool,
+    outside: u64,
+    optimizer: u64,
+    reserved: u64,
+    active: u64,
+    inactive_split: u64,
+}
+
+impl TrialPeaks {
+    fn start(device: usize) -> Result<Self, TrialError> {
+        allocator::reset_peak(device)?;
+        Ok(Self {
+            device,
+            ..Self::default()
+        })
+    }
+
+    /// Folds the counters' peaks since the last reset into the phase running until now.
+    fn fold(&mut self) -> Result<(), TrialError> {
+        let stats = allocator::device_stats(self.device)?;
+        let peak = |s: &crate::plugin_api::Stat| s.peak.max(0) as u64;
+        self.fold_peaks(
+            peak(&stats.allocated_bytes),
+            peak(&stats.reserved_bytes),
+            peak(&stats.active_bytes),
+            peak(&stats.inactive_split_bytes),
+        );
+        Ok(())
+    }
+
+    fn fold_peaks(&mut self, allocated: u64, reserved: u64, active: u64, inactive_split: u64) {
+        let phase = if self.inside {
+            &mut self.optimizer
+        } else {
+            &mut self.outside
+        };
+        *phase = (*phase).max(allocated);
+        self.reserved = self.reserved.max(reserved);
+        self.active = self.active.max(active);
+        self.inactive_split = self.inactive_split.max(inactive_split);
+    }
+
+    /// Into the optimizer's step (`inside`) or out of it.
+    fn switch(&mut self, inside: bool) -> Result<(), TrialError> {
+        self.fold()?;
+        allocator::reset_peak(self.device)?;
+        self.enter(inside);
+        Ok(())
+    }
+
+    /// The phase the counters count from now on.
+    fn enter(&mut self, inside: bool) {
+        self.inside = inside;
+        self.stepped |= inside;
+    }
+
+    fn allocated(&self) -> u64 {
+        self.outside.max(self.optimizer)
+    }
+
+    fn phases(&self) -> Option<search::PhasePeaks> {
+        self.stepped.then_some(search::PhasePeaks {
+            outside: self.outside,
+            optimizer: self.optimizer,
+        })
+    }
+}
 
 /// What one trial measured.
 struct TrialRun {
@@ -442,7 +527,7 @@ fn trial(
     if fresh {
         let _ = allocator::empty_cache();
     }
-    allocator::reset_peak(device)?;
+    trainer.peaks = Some(TrialPeaks::start(device)?);
     let before = ooms(device);
     let start = Instant::now();
     // tch panics on a failed op (an OOM among them); keep those out of the kernel's log.
@@ -464,6 +549,7 @@ fn trial(
     }
     let ms = start.elapsed().as_secs_f64() * 1000.0;
     let oom = ooms(device) > before;
+    let peaks = trainer.peaks.take();
     match result {
         _ if oom => Ok(TrialRun {
             outcome: Outcome::OutOfMemory,
@@ -473,16 +559,20 @@ fn trial(
             ms,
         }),
         Ok(Ok(())) => {
-            let stats = allocator::device_stats(device)?;
+            let mut peaks = peaks.unwrap_or(TrialPeaks {
+                device,
+                ..TrialPeaks::default()
+            });
+            peaks.fold()?;
             Ok(TrialRun {
                 outcome: Outcome::Ran {
-                    peak: stats.allocated_bytes.peak.max(0) as u64,
-                    reserved: stats.reserved_bytes.peak.max(0) as u64,
-                    phases: None,
+                    peak: peaks.allocated(),
+                    reserved: peaks.reserved,
+                    phases: peaks.phases(),
                 },
-                reserved_peak: stats.reserved_bytes.peak.max(0) as u64,
-                active_peak: stats.active_bytes.peak.max(0) as u64,
-                inactive_split_peak: stats.inactive_split_bytes.peak.max(0) as u64,
+                reserved_peak: peaks.reserved,
+                active_peak: peaks.active,
+                inactive_split_peak: peaks.inactive_split,
                 ms,
             })
         }
@@ -874,6 +964,36 @@ mod tests {
         r.dtype = Some(Precision::Fp16);
         let err = validate_on_cpu(&r).unwrap_err().to_string();
         assert!(err.contains("--amp") && err.contains("--dtype"), "{err}");
+    }
+
+    #[test]
+    fn a_trials_peaks_are_kept_apart_by_phase_and_whole_across_resets() {
+        let mut peaks = TrialPeaks::default();
+        peaks.fold_peaks(700, 900, 700, 10); // forward and backward
+        peaks.enter(true);
+        peaks.fold_peaks(1000, 1100, 1000, 5); // the update
+        peaks.enter(false);
+        peaks.fold_peaks(800, 950, 800, 20); // the next step's forward and backward
+        assert_eq!(
+            peaks.phases(),
+            Some(search::PhasePeaks {
+                outside: 800,
+                optimizer: 1000
+            })
+        );
+        assert_eq!(
+            (
+                peaks.allocated(),
+                peaks.reserved,
+                peaks.active,
+                peaks.inactive_split
+            ),
+            (1000, 1100, 1000, 20)
+        );
+        // Forward only (--inference, or no optimizer): no update, no phases.
+        let mut forward = TrialPeaks::default();
+        forward.fold_peaks(700, 900, 700, 10);
+        assert_eq!((forward.phases(), forward.allocated()), (None, 700));
     }
 
     #[test]
