@@ -806,7 +806,7 @@ class FakeAllocator:
         self.current -= n
 
     def stats(self):
-        return (lambda: self.high, lambda: self.high + 7, self.reset)
+        return (lambda: (self.high, self.high + 7), self.reset)
 
     def reset(self):
         self.high = self.current
@@ -862,6 +862,100 @@ def test_phase_peaks_part_the_optimizers_update_from_the_rest_of_the_step(trials
         peaks.stop()
     assert peaks.phases() is None
     assert peaks.allocated() == 1100
+
+
+def test_no_optimizer_hook_outlives_its_trial_whatever_cut_it_short(trials):
+    """A hook left behind (an interrupt between its registration and anything after it)
+    would reset the user's peak counters at every step of their training: the next trial,
+    and the session's end, remove every hook a PhasePeaks registered."""
+    import torch
+
+    optim = importlib.import_module("torch.optim.optimizer")
+    before = (dict(optim._global_optimizer_pre_hooks), dict(optim._global_optimizer_post_hooks))
+    fake = FakeAllocator(0)
+    trials.PhasePeaks(torch, fake.stats()).start()  # never stopped
+    assert len(optim._global_optimizer_pre_hooks) == len(before[0]) + 1
+    trials._remove_hooks()
+    assert (dict(optim._global_optimizer_pre_hooks),
+            dict(optim._global_optimizer_post_hooks)) == before
+
+
+class _Counted(torch_optim_base := __import__("torch").optim.SGD):
+    """SGD whose update allocates on the test's counter, as AdamW's temporaries do."""
+
+    counter = None
+
+    def step(self, closure=None):
+        self.counter.alloc(300)
+        self.counter.free(300)
+        return super().step(closure)
+
+
+def test_a_trial_reports_its_peaks_by_phase(trials):
+    """Session.trial's watched path (on a GPU: CUDA's counters; here a counter the test
+    drives): the reply's phase peaks and whole peaks, the hooks gone afterwards."""
+    import torch
+
+    fake = FakeAllocator(1000)
+    model = torch.nn.Linear(4, 3)
+
+    def activations(module, args, out):  # the forward's: 10 bytes a sample
+        fake.alloc(10 * args[0].shape[0])
+        fake.free(10 * args[0].shape[0])
+
+    model.register_forward_hook(activations)
+    opt = _Counted(model.parameters(), lr=0.1)
+    opt.counter = fake
+    ns = {"model": model, "opt": opt}
+    call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4]})
+    call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 3, "class_dim": -1})
+    trials._current().peak_stats = fake.stats()
+    optim = importlib.import_module("torch.optim.optimizer")
+    hooks = dict(optim._global_optimizer_pre_hooks)
+    result = call(trials, ns, "trial", batch=8, steps=2)
+    assert result["result"] == "ran", result
+    assert result["phase_peaks"] == {"outside": 1080, "optimizer": 1300}, result
+    assert (result["peak_allocated"], result["peak_reserved"]) == (1300, 1307), result
+    assert dict(optim._global_optimizer_pre_hooks) == hooks
+    call(trials, ns, "close")
+
+
+def test_a_compiled_optimizer_step_that_cannot_call_the_hooks_is_tried_without_them(trials):
+    """torch.compile(fullgraph=True) over a custom optimizer's step refuses a call into a
+    function dynamo may not trace, the hooks among them: the trial runs again unwatched
+    (whole peaks only), where it would have failed a step the user's loop runs."""
+    import torch
+
+    class Plain(torch.optim.Optimizer):  # a Muon-style optimizer: a plain no_grad step
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+    model = torch.nn.Linear(8, 4)
+    opt = Plain(model.parameters())
+    update = torch.compile(opt.step, backend="eager", fullgraph=True)
+
+    def train_step(batch):
+        model(torch.randn(batch, 8)).sum().backward()
+        update()
+        opt.zero_grad()
+
+    fake = FakeAllocator(1000)
+    ns = {"model": model, "opt": opt, "train_step": train_step}
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "train_step"})
+    trials._current().peak_stats = fake.stats()
+    result = call(trials, ns, "trial", batch=4, steps=2)
+    assert result["result"] == "ran", result
+    assert "phase_peaks" not in result, result
+    assert trials._current().phase_hooks is False
+    assert trials._current().trials == 1
+    call(trials, ns, "close")
 
 
 def _seq_first_prepare(trials, model, **spec):

@@ -196,11 +196,13 @@ pub fn search(
         return state.finish(Some(stop));
     }
     // After a failing first opening the search goes down from it, not up to the second.
-    let second = state.trials[0].outcome.peak_in(Phase::Outside).map(|peak| {
-        config
-            .second_opening(first, peak)
-            .clamp(1, config.max_batch)
-    });
+    // From the whole peak, an over-estimate of a sample's bytes whichever phase holds them
+    // (an LBFGS closure runs its forward inside the optimizer's step).
+    let second = match state.trials[0].outcome {
+        Outcome::Ran { peak, .. } => Some(config.second_opening(first, peak)),
+        Outcome::OutOfMemory => None,
+    }
+    .map(|b| b.clamp(1, config.max_batch));
     if let Some(second) = second.filter(|&b| b != first && !state.done()) {
         if let Err(stop) = state.run(second, &mut probe) {
             return state.finish(Some(stop));
@@ -347,6 +349,7 @@ impl<'a> State<'a> {
             .filter_map(|&phase| predict_from(&self.points(phase), limit_bytes))
             .min()
     }
+
     /// Trials at the end of the list that did not fit (0 when the last one fitted).
     fn failures_in_a_row(&self) -> usize {
         self.trials.iter().rev().take_while(|t| !t.fits).count()
@@ -633,6 +636,35 @@ mod tests {
                 }
             })
         }
+    }
+
+    #[test]
+    fn the_steeper_phase_sets_the_maximum_where_the_update_holds_the_step() {
+        // An optimizer whose step calls the closure (LBFGS): the forward and backward run
+        // inside it, and outside it only the data and the held output grow.
+        let lbfgs = |b: u64| {
+            let outside = 800_000_000 + 100_000 * b;
+            let optimizer = 1_000_000_000 + 30_000_000 * b;
+            let peak = outside.max(optimizer);
+            Ok(if peak > 24 * GIB {
+                Outcome::OutOfMemory
+            } else {
+                Outcome::Ran {
+                    peak,
+                    reserved: peak,
+                    phases: Some(PhasePeaks { outside, optimizer }),
+                }
+            })
+        };
+        let config = SearchConfig {
+            limit: 24 * GIB,
+            max_batch: 1 << 16,
+            ..SearchConfig::default()
+        };
+        let result = search(&config, lbfgs);
+        let expected = (24 * GIB - 1_000_000_000) / 30_000_000;
+        assert_eq!(result.max_fit, Some(expected), "{:?}", result.trials);
+        assert!(result.trials.len() <= 5, "{:?}", result.trials);
     }
 
     #[test]

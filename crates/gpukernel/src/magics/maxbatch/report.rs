@@ -288,10 +288,25 @@ pub(super) fn summary(f: &Findings) -> Bundle {
         human_bytes(f.device_total)
     ));
     if let Some((fixed, per)) = search.fit {
+        // Split trials fit the peak outside the optimizer's step (search::PhasePeaks).
+        let split = search.trials.first().is_some_and(|t| {
+            matches!(
+                t.outcome,
+                Outcome::Ran {
+                    phases: Some(_),
+                    ..
+                }
+            )
+        });
         text.push_str(&format!(
-            "  allocated ~ {} fixed + {} per sample (fit of the first two trials)\n",
+            "  allocated ~ {} fixed + {} per sample (fit of the first two trials{})\n",
             human_bytes(fixed.max(0.0) as u64),
-            human_bytes(per.max(0.0) as u64)
+            human_bytes(per.max(0.0) as u64),
+            if split {
+                ", outside the optimizer's step"
+            } else {
+                ""
+            }
         ));
     }
     text.push_str(&assumption_lines(&f.assumptions));

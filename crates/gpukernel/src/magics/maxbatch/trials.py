@@ -1311,6 +1311,29 @@ class FunctionStep:
 
 # --- the session: prepare, trials, close -------------------------------------------------
 
+# The attribute that marks the optimizer hooks PhasePeaks registers.
+_HOOK_MARK = "_gpukernel_phase_peaks"
+
+
+def _remove_hooks():
+    """Removes every optimizer hook PhasePeaks registered, found by its mark in torch's own
+    tables: called when a trial's steps end, before each trial and when the session ends, so
+    that an interrupt landing anywhere (between a registration and its bookkeeping, say)
+    cannot leave one resetting the user's peak counters at every step of their training."""
+    optim = importlib.import_module("torch.optim.optimizer")  # not an attribute of torch.optim
+    tables = [getattr(optim, name, None) for name in
+              ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")]
+    for attempt in range(3):  # an interrupt landing here must not leave a hook behind
+        try:
+            for table in tables:
+                for key in [k for k, hook in (table or {}).items() if hasattr(hook, _HOOK_MARK)]:
+                    table.pop(key, None)
+            return
+        except KeyboardInterrupt:
+            if attempt == 2:
+                raise
+
+
 class PhasePeaks:
     """A trial's peak allocated memory apart outside an optimizer's step and inside it.
 
@@ -1322,45 +1345,55 @@ class PhasePeaks:
     user's own ``--step`` included. Where the phase changes, its peak is read and the
     allocator's peak counters reset, so the trial's whole peaks (allocated and reserved) are
     kept here: the allocator's own then cover only the phase since the last change.
-    ``stats``: the peak allocated, the peak reserved and the reset (the CUDA allocator's, or a
-    test's)."""
+    ``stats``: ``peaks()``, the peak allocated and reserved bytes since the last ``reset()``
+    (the CUDA allocator's, or a test's). Without ``hooks`` only the whole peaks are kept."""
 
-    def __init__(self, torch, stats):
+    def __init__(self, torch, stats, hooks=True):
         self.torch = torch
-        self._peak_allocated, self._peak_reserved, self._reset = stats
+        self._peaks, self._reset = stats
+        self.hooks = hooks
         self.depth = 0  # optimizer steps entered and not left (a wrapper steps its inner one)
         self.stepped = False
-        self.peaks = [0, 0]  # outside, inside
+        self.by_phase = [0, 0]  # allocated: outside, inside
         self._reserved = 0
-        self.handles = []
 
     @classmethod
-    def of_cuda(cls, torch, device):
+    def of_cuda(cls, torch, device, hooks=True):
         cuda = torch.cuda
-        return cls(torch, (lambda: cuda.max_memory_allocated(device),
-                           lambda: cuda.max_memory_reserved(device),
-                           lambda: cuda.reset_peak_memory_stats(device)))
+
+        def peaks():
+            # One nested read: max_memory_allocated and max_memory_reserved each build and
+            # sort the flat dict of every counter (0.44 ms a call on an H100), and this runs
+            # twice per optimizer step.
+            stats = cuda.memory_stats_as_nested_dict(device)
+            return tuple(stats.get(k, {}).get("all", {}).get("peak", 0)
+                         for k in ("allocated_bytes", "reserved_bytes"))
+
+        return cls(torch, (peaks, lambda: cuda.reset_peak_memory_stats(device)), hooks)
 
     def start(self):
         self._reset()
-        optim = importlib.import_module("torch.optim.optimizer")  # not an attribute of torch.optim
+        if not self.hooks:
+            return
+        optim = importlib.import_module("torch.optim.optimizer")
         # A step torch.compile traces must not trace the hooks (only where dynamo is loaded
         # already: importing it costs a second).
         dynamo = sys.modules.get("torch._dynamo")
-        plain = dynamo.disable if dynamo is not None else (lambda f: f)
-        self.handles = [optim.register_optimizer_step_pre_hook(plain(self._entered)),
-                        optim.register_optimizer_step_post_hook(plain(self._left))]
+        for register, hook in ((optim.register_optimizer_step_pre_hook, self._entered),
+                               (optim.register_optimizer_step_post_hook, self._left)):
+            hook = dynamo.disable(hook) if dynamo is not None else _plain(hook)
+            setattr(hook, _HOOK_MARK, True)
+            register(hook)
 
     def stop(self):
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        _remove_hooks()
         self._fold()
 
     def _fold(self):
+        allocated, reserved = self._peaks()
         inside = int(self.depth > 0)
-        self.peaks[inside] = max(self.peaks[inside], self._peak_allocated())
-        self._reserved = max(self._reserved, self._peak_reserved())
+        self.by_phase[inside] = max(self.by_phase[inside], allocated)
+        self._reserved = max(self._reserved, reserved)
 
     def _switch(self, depth):
         self._fold()
@@ -1376,7 +1409,7 @@ class PhasePeaks:
 
     def allocated(self):
         self._fold()
-        return max(self.peaks)
+        return max(self.by_phase)
 
     def reserved(self):
         self._fold()
@@ -1387,7 +1420,12 @@ class PhasePeaks:
         that skipped every step, a step function without a torch optimizer)."""
         if not self.stepped:
             return None
-        return {"outside": self.peaks[0], "optimizer": self.peaks[1]}
+        return {"outside": self.by_phase[0], "optimizer": self.by_phase[1]}
+
+
+def _plain(method):
+    """A function calling `method`: a bound method takes no attributes (the hook's mark)."""
+    return lambda *args: method(*args)
 
 
 class Session:
@@ -1427,7 +1465,11 @@ class Session:
         self.trials = 0
         self.settled = False
         self.saved_fraction = None  # the allocator's cap before --limit changed it
-        self.peaks = None  # the running trial's PhasePeaks (None off the GPU)
+        self.trial_peaks = None  # the running trial's PhasePeaks (None off the GPU)
+        self.peak_stats = None  # a test's allocator counters, in place of CUDA's
+        # Whether trials mark the optimizer's step with hooks: off after a step that
+        # torch.compile(fullgraph=True) traces failed on them.
+        self.phase_hooks = True
 
     def on_gpu(self):
         return self.device.type == "cuda"
@@ -1539,9 +1581,9 @@ class Session:
     def _far_below(self, limit):
         """Whether the steps so far kept the cache far enough below `limit` that a step
         needing a little more than the one before cannot reach it."""
-        if self.peaks is None:
+        if self.trial_peaks is None:
             return True
-        return self.peaks.reserved() <= STEADY_HEADROOM * limit
+        return self.trial_peaks.reserved() <= STEADY_HEADROOM * limit
 
     def _run_steps(self, batch, most, until_steady=True):
         """Runs up to `most` steps, synchronized; returns how many ran (`self.steps_ran` counts
@@ -1587,7 +1629,9 @@ class Session:
         if not self.settled:  # the previous trial's end left the cache empty and nothing to collect
             self._settle()
         self.settled = False
-        self.peaks = peaks = PhasePeaks.of_cuda(torch, self.device) if self.on_gpu() else None
+        _remove_hooks()  # any that an interrupt left behind
+        self.trial_peaks = peaks = self._phase_peaks()
+        retry = False
         before_ooms = self._num_ooms()
         result = {"batch": batch, "settle_ms": (time.perf_counter() - began) * 1000.0}
         started = time.perf_counter()
@@ -1596,6 +1640,8 @@ class Session:
                 peaks.start()
             result["steps"] = self._run_steps(batch, steps)
             if timed:
+                if peaks is not None:
+                    peaks.stop()  # timed unwatched: the hooks cost a fast step about 1 ms
                 t0 = time.perf_counter()
                 self._run_steps(batch, timed, until_steady=False)
                 result["samples_per_s"] = batch * timed / (time.perf_counter() - t0)
@@ -1618,6 +1664,10 @@ class Session:
                 result["result"] = "error"
                 result["error"] = {"ename": type(err).__name__, "evalue": str(err),
                                    "where": _where(err)}
+                # A step torch.compile(fullgraph=True) traces cannot call the hooks (a
+                # custom optimizer's compiled step): the trial runs again without them.
+                retry = (peaks is not None and peaks.hooks
+                         and type(err).__module__.startswith("torch._dynamo"))
             _drop_frames(err)
             del err
         finally:
@@ -1642,7 +1692,18 @@ class Session:
         result["cleanup_ms"] = clock.laps
         if self.on_gpu():
             result["allocated_after"] = torch.cuda.memory_allocated(self.device)
+        if retry:
+            self.phase_hooks = False
+            self.trials -= 1
+            return self.trial(batch, steps, timed)
         return result
+
+    def _phase_peaks(self):
+        if self.peak_stats is not None:
+            return PhasePeaks(self.torch, self.peak_stats, self.phase_hooks)
+        if self.on_gpu():
+            return PhasePeaks.of_cuda(self.torch, self.device, self.phase_hooks)
+        return None
 
 
 def _drop_frames(err):
@@ -1789,6 +1850,7 @@ def _end_session():
         session.restore()
         clock.lap("restore")
     finally:
+        _remove_hooks()
         collected = session.thaw_heap()
         if session.saved_fraction is not None:
             session.torch.cuda.set_per_process_memory_fraction(session.saved_fraction,
