@@ -668,6 +668,37 @@ mod tests {
     }
 
     #[test]
+    fn an_update_that_nearly_fills_the_card_sets_the_maximum() {
+        // A large model under Adam on a card it nearly fills: the update alone is at 0.9 of
+        // the limit at every batch, above the band's lower edge, and the data it steps over
+        // (the held output) grows it by 10 MB a sample.
+        let limit = 24 * GIB;
+        let device = move |b: u64| {
+            let outside = 2_000_000_000 + 40_000_000 * b;
+            let optimizer = limit * 9 / 10 + 10_000_000 * b;
+            let peak = outside.max(optimizer);
+            Ok(if peak > limit {
+                Outcome::OutOfMemory
+            } else {
+                Outcome::Ran {
+                    peak,
+                    reserved: peak,
+                    phases: Some(PhasePeaks { outside, optimizer }),
+                }
+            })
+        };
+        let config = SearchConfig {
+            limit,
+            max_batch: 1 << 16,
+            ..SearchConfig::default()
+        };
+        let result = search(&config, device);
+        let expected = (limit / 10) / 10_000_000;
+        assert_eq!(result.max_fit, Some(expected), "{:?}", result.trials);
+        assert!(result.trials.len() <= 5, "{:?}", result.trials);
+    }
+
+    #[test]
     fn an_update_that_peaks_above_small_batches_does_not_bend_the_line() {
         let config = SearchConfig {
             limit: 24 * GIB,
