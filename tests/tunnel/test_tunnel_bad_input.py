@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import shutil
 import socket
 import subprocess
 import threading
@@ -10,7 +11,7 @@ import threading
 import pytest
 
 from tunnel_harness import EXIT, run_tunnel
-from sshd import free_port
+from sshd import Sshd, free_port
 
 
 @pytest.fixture
@@ -118,6 +119,45 @@ def test_jupyter_failing_to_start_shows_its_log(up, tmp_path):
     assert "last lines of the log" in r.stderr
     assert "No such directory" in r.stderr and "/nonexistent-tunnel-test" in r.stderr
     assert runtime_dirs() == before
+
+
+def test_a_remote_shell_that_never_runs_the_launcher_is_named_when_up_times_out(
+        tmp_path, state_dir, tunnel_bin, jupyter_prefix):
+    """A login whose shell hangs before running anything (a ~/.bashrc waiting on a stale
+    lock, as `pyenv rehash` does for 60s): sshd here runs `sleep` instead of the command."""
+    with Sshd(tmp_path / "sshd-hung", extra_sshd_config="ForceCommand exec sleep 600") as server:
+        r = run_tunnel(tunnel_bin, state_dir, "up", "-F", str(server.ssh_config), server.alias,
+                       "--no-browser", "--app", "server", "--env", str(jupyter_prefix),
+                       "--timeout", "3")
+    assert r.returncode == EXIT["timeout"], r.stderr
+    assert "timed out after 3s waiting for Jupyter on the remote to start" in r.stderr
+    assert "the remote shell never ran tunnel's launcher" in r.stderr
+    assert "~/.bashrc" in r.stderr and "tunnel doctor" in r.stderr
+    assert r.stdout == ""
+
+
+def test_a_hung_init_is_named_when_up_times_out(up):
+    before = runtime_dirs()
+    try:
+        r = up("--init", "sleep 30", "--timeout", "3")
+        assert r.returncode == EXIT["timeout"], r.stderr
+        assert "the launcher ran, but its login shell's startup files" in r.stderr
+        assert "--init" in r.stderr and "tunnel doctor" in r.stderr
+    finally:
+        # The launcher waits in the login shell for --init, where no stop request reaches
+        # it; it stops itself after the linger (here the sshd fixture's teardown kills it).
+        for d in runtime_dirs() - before:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_jupyter_that_hangs_at_start_is_named_by_the_remote(up, tmp_path):
+    """Jupyter's own start is bounded on the remote, which names it."""
+    slow = tmp_path / "slow-jupyter-config"
+    slow.mkdir()
+    (slow / "jupyter_server_config.py").write_text("import time\ntime.sleep(30)\n")
+    r = up("--init", f"export JUPYTER_CONFIG_DIR={slow}", "--timeout", "5")
+    assert r.returncode == EXIT["timeout"], r.stderr
+    assert "jupyter server did not write its server info within 5s" in r.stderr
 
 
 def test_local_port_busy_fails_before_anything_remote(up, sshd):

@@ -90,6 +90,34 @@ pub(super) async fn reattach(
     .await
 }
 
+/// How far the remote got when `up` timed out: what the timeout's message points to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stalled {
+    /// Nothing came back: the shell sshd started never ran tunnel's launcher.
+    BeforeLauncher,
+    /// The launcher ran; the login shell it starts, --init, --env or Jupyter's start did not
+    /// finish (Jupyter's own start is bounded on the remote too, whose error names it).
+    InSetup,
+}
+
+impl std::fmt::Display for Stalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Stalled::BeforeLauncher => {
+                "the remote shell never ran tunnel's launcher, so a command in its startup \
+                 files (~/.bashrc for bash) may be waiting for input or for a lock (a stale \
+                 lock of `pyenv rehash` waits 60s); `tunnel doctor` shows how far a login gets"
+            }
+            Stalled::InSetup => {
+                "the launcher ran, but its login shell's startup files (~/.profile, \
+                 ~/.bash_profile), --init, --env or Jupyter's start did not finish; `tunnel \
+                 doctor` checks each step before Jupyter, and a slow start needs a larger \
+                 --timeout"
+            }
+        })
+    }
+}
+
 /// Read launcher events until Jupyter is ready; the port and base URL.
 async fn wait_ready(
     launcher: &mut Launcher,
@@ -98,16 +126,20 @@ async fn wait_ready(
     deadline: tokio::time::Instant,
     timeout_secs: u64,
 ) -> Result<(u16, String), UpError> {
+    let mut stalled = Stalled::BeforeLauncher;
     loop {
         let ev = tokio::select! {
             ev = launcher.events.recv() => ev.unwrap_or(Event::Closed),
             sig = signals.recv() => return Err(UpError::Interrupted(sig)),
-            _ = tokio::time::sleep_until(deadline) => return Err(UpError::Timeout(timeout_secs)),
+            _ = tokio::time::sleep_until(deadline) => {
+                return Err(UpError::Timeout { secs: timeout_secs, stalled })
+            }
         };
         match ev {
             Event::Runtime(d) => {
                 tracing::debug!("remote runtime dir {d}");
                 state.state.remote_runtime_dir = Some(d);
+                stalled = Stalled::InSetup;
             }
             Event::Root => {
                 tracing::warn!("the remote user is root: starting Jupyter with --allow-root")

@@ -12,6 +12,7 @@
 
 mod job;
 mod launch;
+pub use launch::Stalled;
 mod plain;
 mod serve;
 
@@ -54,8 +55,8 @@ pub enum UpError {
     Slurm(#[from] SlurmError),
     #[error("interrupted ({0}) before the tunnel was ready")]
     Interrupted(&'static str),
-    #[error("timed out after {0}s waiting for Jupyter on the remote to start")]
-    Timeout(u64),
+    #[error("timed out after {secs}s waiting for Jupyter on the remote to start: {stalled}")]
+    Timeout { secs: u64, stalled: Stalled },
     #[error(
         "the SSH connection to {host} was lost and could not be restored within {linger}s \
          ({last}); the remote Jupyter stops itself once nobody returns within {linger}s"
@@ -92,7 +93,7 @@ impl HasExit for UpError {
             UpError::State(e) => e.exit(),
             UpError::Slurm(e) => e.exit(),
             UpError::Interrupted(_) => Exit::Interrupted,
-            UpError::Timeout(_) => Exit::Timeout,
+            UpError::Timeout { .. } => Exit::Timeout,
             UpError::ConnectionLost { .. } => Exit::ConnectionLost,
             UpError::JupyterStopped { .. }
             | UpError::LauncherEnded { .. }
