@@ -618,15 +618,19 @@ mod tests {
         400 * MIB + b * 82_700 * MIB / 1000
     }
 
-    /// The masked autoencoder of maxbatch-truth-2026-12-06m (ViT-B, bf16 autocast, AdamW over
-    /// 112M parameters, 40 MB a sample outside the update): the update's peak is the step's up
-    /// to about 16 samples. `split`: whether the trials report their peaks by phase.
-    fn autoencoder(split: bool) -> impl FnMut(u64) -> Result<Outcome, Stop> {
+    /// A device of `capacity` bytes whose step peaks at `outside(b)` outside the optimizer's
+    /// step and `optimizer(b)` inside it; its trials report the two apart where `split`, else
+    /// their whole peak only. OOM above capacity.
+    fn phased(
+        capacity: u64,
+        split: bool,
+        outside: impl Fn(u64) -> u64,
+        optimizer: impl Fn(u64) -> u64,
+    ) -> impl FnMut(u64) -> Result<Outcome, Stop> {
         move |b| {
-            let outside = 1_670_000_000 + 40_400_000 * b;
-            let optimizer = 2_330_000_000 + 300_000 * b;
+            let (outside, optimizer) = (outside(b), optimizer(b));
             let peak = outside.max(optimizer);
-            Ok(if peak > 24 * GIB {
+            Ok(if peak > capacity {
                 Outcome::OutOfMemory
             } else {
                 Outcome::Ran {
@@ -638,30 +642,37 @@ mod tests {
         }
     }
 
+    /// The masked autoencoder of maxbatch-truth-2026-12-06m (ViT-B, bf16 autocast, AdamW over
+    /// 112M parameters, 40 MB a sample outside the update): the update's peak is the step's up
+    /// to about 16 samples.
+    fn autoencoder(split: bool) -> impl FnMut(u64) -> Result<Outcome, Stop> {
+        phased(
+            24 * GIB,
+            split,
+            |b| 1_670_000_000 + 40_400_000 * b,
+            |b| 2_330_000_000 + 300_000 * b,
+        )
+    }
+
+    fn phased_config(limit: u64) -> SearchConfig {
+        SearchConfig {
+            limit,
+            max_batch: 1 << 16,
+            ..SearchConfig::default()
+        }
+    }
+
     #[test]
     fn the_steeper_phase_sets_the_maximum_where_the_update_holds_the_step() {
         // An optimizer whose step calls the closure (LBFGS): the forward and backward run
         // inside it, and outside it only the data and the held output grow.
-        let lbfgs = |b: u64| {
-            let outside = 800_000_000 + 100_000 * b;
-            let optimizer = 1_000_000_000 + 30_000_000 * b;
-            let peak = outside.max(optimizer);
-            Ok(if peak > 24 * GIB {
-                Outcome::OutOfMemory
-            } else {
-                Outcome::Ran {
-                    peak,
-                    reserved: peak,
-                    phases: Some(PhasePeaks { outside, optimizer }),
-                }
-            })
-        };
-        let config = SearchConfig {
-            limit: 24 * GIB,
-            max_batch: 1 << 16,
-            ..SearchConfig::default()
-        };
-        let result = search(&config, lbfgs);
+        let lbfgs = phased(
+            24 * GIB,
+            true,
+            |b| 800_000_000 + 100_000 * b,
+            |b| 1_000_000_000 + 30_000_000 * b,
+        );
+        let result = search(&phased_config(24 * GIB), lbfgs);
         let expected = (24 * GIB - 1_000_000_000) / 30_000_000;
         assert_eq!(result.max_fit, Some(expected), "{:?}", result.trials);
         assert!(result.trials.len() <= 5, "{:?}", result.trials);
@@ -673,26 +684,13 @@ mod tests {
         // the limit at every batch, above the band's lower edge, and the data it steps over
         // (the held output) grows it by 10 MB a sample.
         let limit = 24 * GIB;
-        let device = move |b: u64| {
-            let outside = 2_000_000_000 + 40_000_000 * b;
-            let optimizer = limit * 9 / 10 + 10_000_000 * b;
-            let peak = outside.max(optimizer);
-            Ok(if peak > limit {
-                Outcome::OutOfMemory
-            } else {
-                Outcome::Ran {
-                    peak,
-                    reserved: peak,
-                    phases: Some(PhasePeaks { outside, optimizer }),
-                }
-            })
-        };
-        let config = SearchConfig {
+        let device = phased(
             limit,
-            max_batch: 1 << 16,
-            ..SearchConfig::default()
-        };
-        let result = search(&config, device);
+            true,
+            |b| 2_000_000_000 + 40_000_000 * b,
+            move |b| limit * 9 / 10 + 10_000_000 * b,
+        );
+        let result = search(&phased_config(limit), device);
         let expected = (limit / 10) / 10_000_000;
         assert_eq!(result.max_fit, Some(expected), "{:?}", result.trials);
         assert!(result.trials.len() <= 5, "{:?}", result.trials);
@@ -700,11 +698,7 @@ mod tests {
 
     #[test]
     fn an_update_that_peaks_above_small_batches_does_not_bend_the_line() {
-        let config = SearchConfig {
-            limit: 24 * GIB,
-            max_batch: 1 << 16,
-            ..SearchConfig::default()
-        };
+        let config = phased_config(24 * GIB);
         let expected = (24 * GIB - 1_670_000_000) / 40_400_000;
         let split = search(&config, autoencoder(true));
         assert_eq!(split.max_fit, Some(expected), "{:?}", split.trials);

@@ -551,13 +551,11 @@ def _scalar(torch, v):
 def _returned_loss(torch, out):
     """The scalar loss a model returned with its output (`(logits, loss)`, a Hugging Face
     output's `.loss`) or alone: (tensor, how it was found), or None."""
-    def scalar(v):
-        return _scalar(torch, v)
-    if scalar(out):
+    if _scalar(torch, out):
         return out, "output"
-    if scalar(getattr(out, "loss", None)):
+    if _scalar(torch, getattr(out, "loss", None)):
         return out.loss, "output.loss"
-    return next(((v, where) for where, v in _output_items(out) if scalar(v)), None)
+    return next(((v, where) for where, v in _output_items(out) if _scalar(torch, v)), None)
 
 
 def _flows_into(torch, tensor, loss):
