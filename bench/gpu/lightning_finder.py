@@ -4,7 +4,9 @@ Run on the GPU machine, in its own process (Lightning owns the training loop the
     python3 bench/gpu/lightning_finder.py [MODEL ...]
 Per model: the batch size Lightning's `Tuner.scale_batch_size(mode="binsearch")` finds (3 steps
 per trial, its default and the most our trials run), how many batch sizes it tried, and its wall
-time. Writes $OUT/lightning_finder.json after each model. Its wheels (lightning, torchmetrics,
+time. The batches are made on the GPU, as the notebook's loop makes them (the run of
+2026-12-04 loaded them through four DataLoader workers). Writes $OUT/lightning_finder.json
+after each model. Its wheels (lightning, torchmetrics,
 aiohttp and theirs) are not in `.whl/`: `.whl/lightning/` on the run that needs them.
 """
 
@@ -21,9 +23,14 @@ from maxbatch_truth import CAP_GIB, MODELS  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
 ROWS = {  # model -> (factory expression, data kind, sample shape, classes, precision)
-    "gpt_fp32": ("GPT()", "tokens", (512,), 32000, "32-true"),
-    "vit_b16_fp32": ("ViT()", "images", (3, 224, 224), 1000, "32-true"),
     "resnet18_fp32": ("ResNet18()", "images", (3, 224, 224), 1000, "32-true"),
+    "vit_b16_fp32": ("ViT()", "images", (3, 224, 224), 1000, "32-true"),
+    "vit_b16_bf16": ("ViT()", "images", (3, 224, 224), 1000, "bf16-mixed"),
+    "gpt_fp32": ("GPT()", "tokens", (512,), 32000, "32-true"),
+    "gpt_fp16_scaler": ("GPT()", "tokens", (512,), 32000, "16-mixed"),
+    "lstm_fp32": ("LSTMLM()", "tokens", (128,), 32000, "32-true"),
+    "unet_fp32": ("UNet()", "masks", (3, 128, 128), 21, "32-true"),
+    "gpt_checkpointed": ("GPT(checkpoint=True)", "tokens", (512,), 32000, "32-true"),
 }
 
 
@@ -35,27 +42,35 @@ def main() -> int:
     import torch.nn.functional as F
     from lightning.pytorch.tuner import Tuner
 
-    class Samples(torch.utils.data.Dataset):
-        def __init__(self, kind, shape, classes):
-            self.kind, self.shape, self.classes = kind, shape, classes
-
+    class Indices(torch.utils.data.Dataset):
         def __len__(self):
             return 1 << 20
 
         def __getitem__(self, i):
-            if self.kind == "tokens":
-                return (torch.randint(0, self.classes, self.shape),
-                        torch.randint(0, self.classes, self.shape))
-            return torch.randn(self.shape), torch.randint(0, self.classes, ())
+            return i
+
+    def batch_on_gpu(kind, shape, classes):
+        # The batch is made on the GPU from its indices, as the notebook's loop makes its
+        # data: neither side pays for host-side loading, so only the finders differ.
+        def collate(indices):
+            b = len(indices)
+            if kind == "tokens":
+                return (torch.randint(0, classes, (b, *shape), device="cuda"),
+                        torch.randint(0, classes, (b, *shape), device="cuda"))
+            x = torch.randn(b, *shape, device="cuda")
+            if kind == "masks":
+                return x, torch.randint(0, classes, (b, *shape[1:]), device="cuda")
+            return x, torch.randint(0, classes, (b,), device="cuda")
+        return collate
 
     class Module(L.LightningModule):
-        def __init__(self, model, data):
+        def __init__(self, model, collate):
             super().__init__()
-            self.model, self.data, self.batch_size, self.tried = model, data, 2, []
+            self.model, self.collate, self.batch_size, self.tried = model, collate, 2, []
 
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size,
-                                               num_workers=4)
+            return torch.utils.data.DataLoader(Indices(), batch_size=self.batch_size,
+                                               collate_fn=self.collate)
 
         def training_step(self, batch, _):
             x, y = batch
@@ -76,7 +91,7 @@ def main() -> int:
     for name in sys.argv[1:] or list(ROWS):
         factory, kind, shape, classes, precision = ROWS[name]
         torch.manual_seed(0)
-        module = Module(eval(factory, ns), Samples(kind, shape, classes))
+        module = Module(eval(factory, ns), batch_on_gpu(kind, shape, classes))
         trainer = L.Trainer(accelerator="gpu", devices=1, precision=precision, max_steps=1,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)

@@ -1328,6 +1328,13 @@ fn notes(prepared: &Prepared) -> Vec<String> {
             d.optimizers_without_state.join(", ")
         ));
     }
+    if d.cuda {
+        notes.push(format!(
+            "torch.cuda.max_memory_allocated() and max_memory_reserved() on {} count again \
+             from what you hold now: the trials reset them",
+            d.device
+        ));
+    }
     if d.gpus.len() > 1 {
         notes.push(format!(
             "your model sits on {}, and the trials read the memory of {} only: an \
@@ -1555,6 +1562,18 @@ mod tests {
         );
         let whole = notes(&prepared(r#"["cuda:0"]"#, 0));
         assert!(!whole.iter().any(|n| n.contains("sits on")), "{whole:?}");
+    }
+
+    #[test]
+    fn the_peak_counters_the_trials_reset_are_told_on_a_gpu_only() {
+        let mut p = prepared(r#"["cuda:0"]"#, 0);
+        assert!(notes(&p).contains(
+            &"torch.cuda.max_memory_allocated() and max_memory_reserved() on cuda:0 count \
+              again from what you hold now: the trials reset them"
+                .to_string()
+        ));
+        p.describe.cuda = false;
+        assert!(!notes(&p).iter().any(|n| n.contains("max_memory_allocated")));
     }
 
     fn reply(text: &str) -> TrialReply {

@@ -1703,6 +1703,16 @@ class Session:
             return PhasePeaks.of_cuda(self.torch, self.device, self.phase_hooks)
         return None
 
+    def restart_peak_counters(self):
+        """The allocator's peak counters start again from what the user holds: the trials
+        reset them at every phase, and the last trial's peak left in them would be read as
+        the user's by their next `max_memory_allocated()`. (Their peak from before the
+        session cannot be put back: torch has no call that sets it.)"""
+        if self.peak_stats is not None:
+            self.peak_stats[1]()
+        elif self.on_gpu():
+            self.torch.cuda.reset_peak_memory_stats(self.device)
+
 
 def _drop_frames(err):
     """An exception's frames hold the step's tensors (the activations of the step it cut
@@ -1856,6 +1866,7 @@ def _end_session():
     del session.snapshot
     clock.lap("release")
     session._settle(collect=not collected)  # a session that never froze: a full collection
+    session.restart_peak_counters()
     clock.lap("settle")
     return {"closed": True, "memory": session.memory(), "timings_ms": clock.laps}
 
