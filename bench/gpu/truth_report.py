@@ -1,6 +1,10 @@
 """Writes the Markdown table of a `maxbatch_truth.py` run, and checks issue 13's targets on it.
 
-    python3 bench/gpu/truth_report.py bench/results/maxbatch-truth-DATE.json > ...md
+    python3 bench/gpu/truth_report.py bench/results/maxbatch-truth-DATE.json \
+        [--lightning lightning-finder-DATE.json] > ...md
+
+With `--lightning`, the rows of `lightning_finder.py` from the same device call are set
+beside ours: Lightning's own BatchSizeFinder against our search, model by model.
 """
 
 import json
@@ -16,11 +20,13 @@ def fmt(v, digits=1):
     return str(v)
 
 
-def main(path):
+def main(path, lightning=None):
     d = json.load(open(path))
     header(d)
     python_rows = table(d["rows"])
     print()
+    if lightning:
+        beside_lightning(python_rows, json.load(open(lightning)))
     if not python_rows:
         return
     targets(python_rows)
@@ -230,5 +236,39 @@ def steady(rows):
               + ", ".join(f"step {k}: {v}" for k, v in sorted(by_step.items())))
 
 
+def beside_lightning(python_rows, finder):
+    """Lightning's BatchSizeFinder (its own process, its own loop) against our search on the
+    same models, in the same device call."""
+    ours = {r["model"]: r for r in python_rows if r.get("seconds")}
+    pairs = [(ours[t["model"]], t) for t in finder["rows"] if t["model"] in ours]
+    if not pairs:
+        return
+    print(f"Lightning's own BatchSizeFinder (lightning {finder['lightning']}, "
+          f"`{finder['command']}`, binsearch from 2, 3 steps per trial, under the same cap, "
+          "in its own process in the same device call):\n")
+    print("| model | ours: max | trials | s | Lightning: found | trials | s | time ours/theirs |")
+    print("|---|---|---|---|---|---|---|---|")
+    ratios = []
+    for r, t in pairs:
+        ratio = r["seconds"] / t["seconds"]
+        ratios.append(ratio)
+        print(f"| {r['model']} | {r['max_batch']} | {r['trials']} | {r['seconds']:.1f} | "
+              f"{t['max_batch']} | {t['trials']} | {t['seconds']:.1f} | {ratio:.2f} |")
+    ours_s = sum(r["seconds"] for r, _ in pairs)
+    theirs_s = sum(t["seconds"] for _, t in pairs)
+    print(f"\n- time at most 1/3 of Lightning's BatchSizeFinder: "
+          f"{sum(x <= 1 / 3 for x in ratios)} of {len(ratios)}; over all rows {ours_s:.1f} s "
+          f"vs {theirs_s:.1f} s ({ours_s / theirs_s:.2f}); per row median "
+          f"{statistics.median(ratios):.2f}, at most {max(ratios):.2f}. Lightning's `found` is "
+          "after its 5% margin, for its own loop (its training_step returns the loss, so no "
+          "output lives into the next step), and is not this notebook loop's maximum.\n")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = sys.argv[1:]
+    finder = None
+    if "--lightning" in args:
+        at = args.index("--lightning")
+        finder = args[at + 1]
+        del args[at:at + 2]
+    main(args[0], finder)
