@@ -144,7 +144,7 @@ pub enum HostKeyError {
     )]
     Certificate {
         name: String,
-        reason: String,
+        reason: known_hosts::CertificateError,
         authorities: String,
     },
     #[error(

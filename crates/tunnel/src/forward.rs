@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 
 use crate::connect::Handle;
 use crate::exit::{Exit, HasExit};
-use crate::relay::Relay;
+use crate::relay::{Relay, RelayError};
 
 /// How far past the preferred port to look for a free one.
 const PORT_SEARCH: u16 = 100;
@@ -45,6 +45,18 @@ async fn bind(port: u16) -> std::io::Result<TcpListener> {
     // Loopback only: the token is the only lock, so nobody else on the
     // network should even reach the door.
     TcpListener::bind(SocketAddr::from((Ipv4Addr::LOCALHOST, port))).await
+}
+
+/// Why one local connection could not be carried (logged, at debug level).
+#[derive(Debug, thiserror::Error)]
+enum ConnectionError {
+    #[error(transparent)]
+    Local(#[from] std::io::Error),
+    /// The forwarding channel could not be opened.
+    #[error(transparent)]
+    Channel(#[from] russh::Error),
+    #[error(transparent)]
+    Relay(#[from] RelayError),
 }
 
 /// Listen on exactly `port` (the user asked for it).
@@ -121,11 +133,11 @@ async fn forward_one(
     peer: SocketAddr,
     handle: &Handle,
     way: &Way,
-) -> Result<(), String> {
-    tcp.set_nodelay(true).map_err(|e| e.to_string())?;
+) -> Result<(), ConnectionError> {
+    tcp.set_nodelay(true)?;
     let remote_port = match way {
         Way::Direct(port) => *port,
-        Way::Relay(relay) => return relay.forward(tcp, handle).await,
+        Way::Relay(relay) => return Ok(relay.forward(tcp, handle).await?),
     };
     let channel = handle
         .channel_open_direct_tcpip(
@@ -139,13 +151,11 @@ async fn forward_one(
             tracing::warn!(
                 "cannot open a forwarding channel to the remote port {remote_port}: {e}"
             );
-            e.to_string()
+            e
         })?;
     let mut stream = channel.into_stream();
     let (up, down) =
-        tokio::io::copy_bidirectional_with_sizes(&mut tcp, &mut stream, COPY_BUF, COPY_BUF)
-            .await
-            .map_err(|e| e.to_string())?;
+        tokio::io::copy_bidirectional_with_sizes(&mut tcp, &mut stream, COPY_BUF, COPY_BUF).await?;
     tracing::trace!("connection from {peer} closed ({up} B up, {down} B down)");
     Ok(())
 }

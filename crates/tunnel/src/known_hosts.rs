@@ -13,7 +13,7 @@ use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine;
 use hmac::{Hmac, Mac};
 use russh::keys::ssh_key::certificate::CertType;
-use russh::keys::ssh_key::{Certificate, PublicKey};
+use russh::keys::ssh_key::{Certificate, Fingerprint, PublicKey};
 use russh::keys::{Algorithm, HashAlg};
 use sha1::Sha1;
 
@@ -33,6 +33,34 @@ pub enum KnownHostsError {
     NoUserFile,
     #[error("cannot encode the host key: {0}")]
     Encode(String),
+}
+
+/// Why a host certificate is not accepted; shown after "known_hosts does
+/// not vouch for:" (connect.rs).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CertificateError {
+    /// Signed by an authority no `@cert-authority` line names.
+    #[error(
+        "it is signed by the authority {0}, which no @cert-authority line for this host names"
+    )]
+    UnknownAuthority(Fingerprint),
+    #[error("it is a user certificate, not a host certificate")]
+    UserCertificate,
+    #[error("its signature does not verify")]
+    BadSignature,
+    /// Not valid yet: its validity starts `after` (seconds since the epoch).
+    #[error("it is not valid before {}", time_text(*after))]
+    NotYetValid { after: u64 },
+    /// Its validity ended `before` (seconds since the epoch).
+    #[error("it expired at {}", time_text(*before))]
+    Expired { before: u64 },
+    #[error("it is for {}, not {principal}", principals.join(", "))]
+    OtherPrincipals {
+        principals: Vec<String>,
+        principal: String,
+    },
+    #[error("it has the critical option {0:?}, which tunnel does not know")]
+    CriticalOption(String),
 }
 
 /// A known_hosts line, located.
@@ -246,39 +274,38 @@ pub fn check_certificate(
     principal: &str,
     authorities: &[Authority],
     now: u64,
-) -> Result<Location, String> {
+) -> Result<Location, CertificateError> {
     let signer = cert.signature_key();
-    let Some(ca) = authorities.iter().find(|a| a.key.key_data() == signer) else {
-        return Err(format!(
-            "it is signed by the authority {}, which no @cert-authority line for this host names",
-            signer.fingerprint(HashAlg::Sha256)
-        ));
-    };
     let fingerprint = signer.fingerprint(HashAlg::Sha256);
+    let Some(ca) = authorities.iter().find(|a| a.key.key_data() == signer) else {
+        return Err(CertificateError::UnknownAuthority(fingerprint));
+    };
     if cert.cert_type() != CertType::Host {
-        return Err("it is a user certificate, not a host certificate".into());
+        return Err(CertificateError::UserCertificate);
     }
     // Signature and validity window (and the signer again, by fingerprint).
     if cert.validate_at(now, [&fingerprint]).is_err() {
         return Err(if cert.verify_signature().is_err() {
-            "its signature does not verify".into()
+            CertificateError::BadSignature
         } else if now < cert.valid_after() {
-            format!("it is not valid before {}", time_text(cert.valid_after()))
+            CertificateError::NotYetValid {
+                after: cert.valid_after(),
+            }
         } else {
-            format!("it expired at {}", time_text(cert.valid_before()))
+            CertificateError::Expired {
+                before: cert.valid_before(),
+            }
         });
     }
     let principals = cert.valid_principals();
     if !principals.is_empty() && !principals.iter().any(|p| p == principal) {
-        return Err(format!(
-            "it is for {}, not {principal}",
-            principals.join(", ")
-        ));
+        return Err(CertificateError::OtherPrincipals {
+            principals: principals.to_vec(),
+            principal: principal.to_string(),
+        });
     }
     if let Some((option, _)) = cert.critical_options().iter().next() {
-        return Err(format!(
-            "it has the critical option {option:?}, which tunnel does not know"
-        ));
+        return Err(CertificateError::CriticalOption(option.clone()));
     }
     Ok(ca.at.clone())
 }
@@ -615,8 +642,11 @@ mod tests {
             Ok(auth[0].at.clone())
         );
         assert!(check_certificate(&any, "gpu.example", &auth, now).is_ok());
-        let why =
-            |c: &Certificate| check_certificate(c, "gpu.example", &auth, now).expect_err("refused");
+        let why = |c: &Certificate| {
+            check_certificate(c, "gpu.example", &auth, now)
+                .expect_err("refused")
+                .to_string()
+        };
         assert_eq!(why(&other_name), "it is for web.example, not gpu.example");
         assert_eq!(
             why(&user),
@@ -629,6 +659,7 @@ mod tests {
         );
         assert!(check_certificate(&good, "gpu.example", &auth, 1_000)
             .expect_err("before")
+            .to_string()
             .starts_with("it is not valid before"));
         // Signed by an authority that is not the one known_hosts names.
         let stranger = tempfile::tempdir().expect("tempdir");

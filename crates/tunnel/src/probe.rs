@@ -12,9 +12,35 @@ use crate::token::Token;
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
     #[error("Jupyter did not answer /api/status through the tunnel within {}s (last: {last})", waited.as_secs())]
-    Timeout { waited: Duration, last: String },
+    Timeout { waited: Duration, last: LastTry },
     #[error("Jupyter rejected the token (HTTP {0}); another server may be using the port")]
     Rejected(u16),
+}
+
+/// What the last try got, for the timeout's message.
+#[derive(Debug, thiserror::Error)]
+pub enum LastTry {
+    /// An answer other than 200, 401 or 403.
+    #[error("HTTP {0}")]
+    Status(u16),
+    #[error(transparent)]
+    Failed(#[from] StatusError),
+    #[error("no answer")]
+    NoAnswer,
+}
+
+/// Why one `/api/status` request got no status code.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("connection closed before a response")]
+    Closed,
+    #[error("oversized response")]
+    Oversized,
+    /// The first line of what came back, if any.
+    #[error("not an HTTP response: {0:?}")]
+    NotHttp(Option<String>),
 }
 
 impl HasExit for ProbeError {
@@ -27,36 +53,32 @@ impl HasExit for ProbeError {
 }
 
 /// One request; returns the HTTP status code.
-async fn status_once(port: u16, base_url: &str, token: &Token) -> Result<u16, String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port))
-        .await
-        .map_err(|e| e.to_string())?;
+async fn status_once(port: u16, base_url: &str, token: &Token) -> Result<u16, StatusError> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).await?;
     let req = format!(
         "GET {base_url}api/status HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\
          Authorization: token {}\r\nConnection: close\r\n\r\n",
         token.expose()
     );
-    s.write_all(req.as_bytes())
-        .await
-        .map_err(|e| e.to_string())?;
+    s.write_all(req.as_bytes()).await?;
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     // The status line is all we need.
     while !buf.windows(2).any(|w| w == b"\r\n") {
-        let n = s.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        let n = s.read(&mut chunk).await?;
         if n == 0 {
-            return Err("connection closed before a response".into());
+            return Err(StatusError::Closed);
         }
         buf.extend_from_slice(&chunk[..n]);
         if buf.len() > 64 * 1024 {
-            return Err("oversized response".into());
+            return Err(StatusError::Oversized);
         }
     }
     let line = String::from_utf8_lossy(&buf);
     line.split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
-        .ok_or_else(|| format!("not an HTTP response: {:?}", line.lines().next()))
+        .ok_or_else(|| StatusError::NotHttp(line.lines().next().map(str::to_string)))
 }
 
 /// Poll until HTTP 200, a rejection, or `timeout`.
@@ -75,9 +97,9 @@ pub async fn wait_ready(
         let last = match tokio::time::timeout(per_try, status_once(port, base_url, token)).await {
             Ok(Ok(200)) => return Ok(()),
             Ok(Ok(code @ (401 | 403))) => return Err(ProbeError::Rejected(code)),
-            Ok(Ok(code)) => format!("HTTP {code}"),
-            Ok(Err(e)) => e,
-            Err(_) => "no answer".into(),
+            Ok(Ok(code)) => LastTry::Status(code),
+            Ok(Err(e)) => e.into(),
+            Err(_) => LastTry::NoAnswer,
         };
         tracing::debug!("/api/status: {last}");
         if start.elapsed() >= timeout {
@@ -88,5 +110,38 @@ pub async fn wait_ready(
         }
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(Duration::from_millis(250));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    /// The timeout says what the last try got.
+    #[tokio::test]
+    async fn the_timeout_says_what_came_back() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let _ = s.write_all(b"garbage\r\n").await;
+            }
+        });
+        let token = Token::from_saved("t".into());
+        let err = wait_ready(port, "/", &token, Duration::from_millis(300))
+            .await
+            .expect_err("not Jupyter");
+        assert_eq!(
+            err.to_string(),
+            "Jupyter did not answer /api/status through the tunnel within 0s \
+             (last: not an HTTP response: Some(\"garbage\"))"
+        );
+        assert_eq!(LastTry::Status(502).to_string(), "HTTP 502");
+        assert_eq!(LastTry::NoAnswer.to_string(), "no answer");
+        assert_eq!(
+            LastTry::from(StatusError::Closed).to_string(),
+            "connection closed before a response"
+        );
     }
 }

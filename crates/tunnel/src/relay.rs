@@ -43,6 +43,19 @@ const QUEUE: usize = 64;
 /// stderr lines kept for the message when the relay ends.
 const STDERR_TAIL: usize = 10;
 
+/// Why one connection through the relay failed (logged, at debug level).
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// The relay step could not be started over the login session.
+    #[error(transparent)]
+    Start(russh::Error),
+    #[error("the relay has ended")]
+    Ended,
+    /// The local connection failed.
+    #[error(transparent)]
+    Local(#[from] std::io::Error),
+}
+
 /// One frame, encoded.
 pub fn frame(kind: u8, id: u32, payload: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(HEADER + payload.len());
@@ -120,12 +133,12 @@ impl Relay {
     }
 
     /// Carry one local connection through the relay until both sides closed.
-    pub async fn forward(&self, tcp: TcpStream, handle: &Handle) -> Result<(), String> {
+    pub async fn forward(&self, tcp: TcpStream, handle: &Handle) -> Result<(), RelayError> {
         let mux = self.mux(handle).await.map_err(|e| {
             tracing::warn!("cannot start a relay to Jupyter: {e}");
-            e.to_string()
+            RelayError::Start(e)
         })?;
-        let (id, inbound) = mux.register().ok_or("the relay has ended")?;
+        let (id, inbound) = mux.register().ok_or(RelayError::Ended)?;
         let result = mux.carry(id, tcp, inbound).await;
         mux.deregister(id);
         let _ = mux.frames.send(frame(CLOSE, id, &[])).await;
@@ -277,8 +290,8 @@ impl Mux {
         id: u32,
         tcp: TcpStream,
         mut inbound: mpsc::Receiver<Inbound>,
-    ) -> Result<(), String> {
-        let gone = |_| "the relay has ended".to_string();
+    ) -> Result<(), RelayError> {
+        let gone = |_| RelayError::Ended;
         self.frames.send(frame(OPEN, id, &[])).await.map_err(gone)?;
         let (mut rd, mut wr) = tcp.into_split();
         let mut buf = vec![0u8; CHUNK];
@@ -291,10 +304,10 @@ impl Mux {
                         self.frames.send(frame(EOF, id, &[])).await.map_err(gone)?;
                     }
                     Ok(n) => self.frames.send(frame(DATA, id, &buf[..n])).await.map_err(gone)?,
-                    Err(e) => return Err(e.to_string()),
+                    Err(e) => return Err(e.into()),
                 },
                 msg = inbound.recv(), if !down_done => match msg {
-                    Some(Inbound::Data(d)) => wr.write_all(&d).await.map_err(|e| e.to_string())?,
+                    Some(Inbound::Data(d)) => wr.write_all(&d).await?,
                     Some(Inbound::Eof) => {
                         down_done = true;
                         let _ = wr.shutdown().await;

@@ -1,12 +1,52 @@
 //! `Match` lines: parsed like OpenSSH's `match_cfg_line` (same words, same
 //! errors) and evaluated against the state of the resolution so far.
 
+use std::ffi::OsString;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 
 use super::lexer;
 use super::pattern;
-use super::tokens::{self, Tokens};
+use super::tokens::{self, TokenError, Tokens};
+
+/// A Match line OpenSSH would refuse too (its `match_cfg_line` texts).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// `all` (as written, `!` included) beside other criteria.
+    #[error("'{0}' cannot be combined with other Match attributes")]
+    AllCombined(String),
+    /// A criterion of a newer OpenSSH (lowercased).
+    #[error("Match {0} (a criterion of OpenSSH 9.4 and later) is not supported by tunnel")]
+    Newer(String),
+    #[error("Unsupported Match attribute {0}")]
+    Unknown(String),
+    #[error("Missing Match criteria for {0}")]
+    MissingArgument(String),
+    #[error("One or more attributes required for Match")]
+    Empty,
+}
+
+/// A Match line that cannot be evaluated.
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    /// The HostName that `Match host` compares has a bad token (resolve.rs
+    /// expands it before the criteria run).
+    #[error("HostName {hostname}: {source}")]
+    HostName {
+        hostname: String,
+        source: TokenError,
+    },
+    #[error("Match exec {command:?}: {source}")]
+    ExecToken { command: String, source: TokenError },
+    #[error("Match exec: cannot run {program:?}: {source}")]
+    ExecSpawn {
+        program: OsString,
+        source: std::io::Error,
+    },
+    /// Killed by a signal: neither a match nor a non-match.
+    #[error("Match exec {command:?} exited abnormally ({status})")]
+    ExecAbnormal { command: String, status: ExitStatus },
+}
 
 /// One criterion of a Match line; `negate` is a leading `!`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,7 +71,7 @@ const NEWER: &[&str] = &[
 ];
 
 /// Parse the text after `Match`.
-pub(super) fn parse(rest: &str) -> Result<Vec<Criterion>, String> {
+pub(super) fn parse(rest: &str) -> Result<Vec<Criterion>, ParseError> {
     let mut cursor = Some(rest);
     let mut criteria = Vec::new();
     let mut attributes = 0;
@@ -48,9 +88,7 @@ pub(super) fn parse(rest: &str) -> Result<Vec<Criterion>, String> {
             let next = lexer::strdelim(&mut cursor);
             let more = next.is_some_and(|n| !n.is_empty() && !n.starts_with('#'));
             if attributes > 1 || more {
-                return Err(format!(
-                    "'{word}' cannot be combined with other Match attributes"
-                ));
+                return Err(ParseError::AllCombined(word));
             }
             criteria.push(Criterion::All { negate });
             return Ok(criteria);
@@ -70,16 +108,14 @@ pub(super) fn parse(rest: &str) -> Result<Vec<Criterion>, String> {
         let known = ["host", "originalhost", "user", "localuser", "exec"];
         if !known.contains(&name.as_str()) {
             return Err(if NEWER.contains(&name.as_str()) {
-                format!(
-                    "Match {name} (a criterion of OpenSSH 9.4 and later) is not supported by tunnel"
-                )
+                ParseError::Newer(name)
             } else {
-                format!("Unsupported Match attribute {name}")
+                ParseError::Unknown(name)
             });
         }
         let arg = lexer::strdelim(&mut cursor)
             .filter(|a| !a.is_empty() && !a.starts_with('#'))
-            .ok_or_else(|| format!("Missing Match criteria for {name}"))?;
+            .ok_or_else(|| ParseError::MissingArgument(name.clone()))?;
         criteria.push(match name.as_str() {
             "host" => Criterion::Host {
                 negate,
@@ -104,7 +140,7 @@ pub(super) fn parse(rest: &str) -> Result<Vec<Criterion>, String> {
         });
     }
     if attributes == 0 {
-        return Err("One or more attributes required for Match".into());
+        return Err(ParseError::Empty);
     }
     Ok(criteria)
 }
@@ -134,7 +170,7 @@ pub(super) fn evaluate(
     criteria: &[Criterion],
     cx: &Context<'_>,
     wants_final: &mut bool,
-) -> Result<bool, String> {
+) -> Result<bool, EvalError> {
     let mut result = true;
     for c in criteria {
         let (negate, hit) = match c {
@@ -162,8 +198,11 @@ pub(super) fn evaluate(
                 (*negate, pattern::user_in_list(cx.local_user, patterns))
             }
             Criterion::Exec { negate, command } => {
-                let command = tokens::percent(command, cx.tokens)
-                    .map_err(|e| format!("Match exec {command:?}: {e}"))?;
+                let command =
+                    tokens::percent(command, cx.tokens).map_err(|source| EvalError::ExecToken {
+                        command: command.clone(),
+                        source,
+                    })?;
                 if !result {
                     // An earlier criterion failed: the command is not run.
                     tracing::trace!("skipped Match exec {command:?}");
@@ -181,7 +220,7 @@ pub(super) fn evaluate(
 
 /// Run `command` with the user's shell (`$SHELL -c`; `cmd.exe /c` on
 /// Windows), stdin and stdout on /dev/null; exit status 0 is a match.
-fn run(command: &str, shell: Option<&Path>) -> Result<bool, String> {
+fn run(command: &str, shell: Option<&Path>) -> Result<bool, EvalError> {
     let mut cmd = match shell {
         Some(shell) => {
             let mut c = Command::new(shell);
@@ -195,12 +234,16 @@ fn run(command: &str, shell: Option<&Path>) -> Result<bool, String> {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .status()
-        .map_err(|e| format!("Match exec: cannot run {:?}: {e}", cmd.get_program()))?;
+        .map_err(|source| EvalError::ExecSpawn {
+            program: cmd.get_program().to_os_string(),
+            source,
+        })?;
     match status.code() {
         Some(code) => Ok(code == 0),
-        None => Err(format!(
-            "Match exec {command:?} exited abnormally ({status})"
-        )),
+        None => Err(EvalError::ExecAbnormal {
+            command: command.to_string(),
+            status,
+        }),
     }
 }
 
@@ -254,17 +297,26 @@ mod tests {
                 Criterion::All { negate: false }
             ]
         );
-        assert!(parse("all host x").is_err());
-        assert!(parse("host a user b all").is_err());
-        assert!(parse("host").is_err());
-        assert!(parse("host #x").is_err());
-        assert!(parse("bogus x")
-            .expect_err("unknown")
-            .contains("Unsupported"));
-        assert!(parse("tagged x")
-            .expect_err("newer")
-            .contains("not supported"));
-        assert!(parse("# nothing").is_err());
+        let text = |line: &str| parse(line).expect_err("refused").to_string();
+        assert_eq!(
+            text("all host x"),
+            "'all' cannot be combined with other Match attributes"
+        );
+        assert_eq!(
+            text("host a user b !all"),
+            "'!all' cannot be combined with other Match attributes"
+        );
+        assert_eq!(text("host"), "Missing Match criteria for host");
+        assert_eq!(text("host #x"), "Missing Match criteria for host");
+        assert_eq!(text("bogus x"), "Unsupported Match attribute bogus");
+        assert_eq!(
+            text("Tagged x"),
+            "Match tagged (a criterion of OpenSSH 9.4 and later) is not supported by tunnel"
+        );
+        assert_eq!(
+            text("# nothing"),
+            "One or more attributes required for Match"
+        );
     }
 
     #[test]
@@ -315,9 +367,12 @@ mod tests {
         let mut f = false;
         let err = evaluate(&parse("exec \"kill -9 $$\"").expect("parses"), &c, &mut f)
             .expect_err("killed by a signal");
-        assert!(err.contains("abnormally"), "{err}");
+        assert_eq!(
+            err.to_string(),
+            "Match exec \"kill -9 $$\" exited abnormally (signal: 9 (SIGKILL))"
+        );
         let err = evaluate(&parse("exec %Z").expect("parses"), &c, &mut f).expect_err("token");
-        assert!(err.contains("%Z"), "{err}");
+        assert_eq!(err.to_string(), "Match exec \"%Z\": unknown token %Z");
     }
 
     /// OpenSSH for Windows runs `Match exec` with system(): cmd.exe.

@@ -6,15 +6,26 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::platform;
+use crate::platform::{self, ConfigPermissionError};
+
+/// `~` in an Include of the system config, which OpenSSH refuses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("bad include path {arg} (no ~ in the system config)")]
+pub struct SystemTilde {
+    pub arg: String,
+}
 
 /// The files `arg` of an Include line names, in the order they are read.
 /// `home` is what glob's `~` means (`$HOME`, else the passwd home).
-pub(super) fn files(arg: &str, user_config: bool, home: &Path) -> Result<Vec<PathBuf>, String> {
+pub(super) fn files(
+    arg: &str,
+    user_config: bool,
+    home: &Path,
+) -> Result<Vec<PathBuf>, SystemTilde> {
     if arg.starts_with('~') && !user_config {
-        return Err(format!(
-            "bad include path {arg} (no ~ in the system config)"
-        ));
+        return Err(SystemTilde {
+            arg: arg.to_string(),
+        });
     }
     let anchored = if platform::include_is_absolute(arg) || arg.starts_with('~') {
         arg.to_string()
@@ -207,7 +218,10 @@ fn bracket(p: &[u8]) -> Option<(Set, &[u8])> {
 
 /// OpenSSH refuses a config file that someone else could have written (on
 /// Windows: its owner and ACL, as OpenSSH for Windows checks them).
-pub(super) fn check_permissions(path: &Path, meta: &std::fs::Metadata) -> Result<(), String> {
+pub(super) fn check_permissions(
+    path: &Path,
+    meta: &std::fs::Metadata,
+) -> Result<(), ConfigPermissionError> {
     platform::check_config_permissions(path, meta)
 }
 
@@ -266,7 +280,10 @@ mod tests {
     fn anchoring() {
         let home = Path::new("/nonexistent-home");
         assert!(files("x", true, home).expect("ok").is_empty());
-        assert!(files("~/x", false, home).is_err());
+        assert_eq!(
+            files("~/x", false, home).expect_err("refused").to_string(),
+            "bad include path ~/x (no ~ in the system config)"
+        );
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::create_dir(dir.path().join(".ssh")).expect("mkdir");
         std::fs::write(dir.path().join(".ssh/inc"), "").expect("write");

@@ -4,7 +4,46 @@
 
 use std::fmt;
 
-use super::tokens::{self, Tokens};
+use super::tokens::{self, TokenError, Tokens};
+
+/// A hop that cannot be parsed, as written, and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("hop {spec:?}: {source}")]
+pub struct JumpError {
+    pub spec: String,
+    pub source: HopError,
+}
+
+/// What is wrong with one hop (`[user@]host[:port]` or an `ssh://` URI).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HopError {
+    #[error("empty user name")]
+    EmptyUser,
+    #[error("empty host")]
+    EmptyHost,
+    #[error("unclosed '['")]
+    UnclosedBracket,
+    /// What follows the host where only `:port` (or a URI's `/`) may.
+    #[error("unexpected {0:?} after the host")]
+    AfterHost(String),
+    #[error("bad port {0:?}")]
+    BadPort(String),
+    #[error("host {0:?} starts with an invalid character")]
+    BadFirstCharacter(String),
+    #[error("host {0:?} has consecutive dots")]
+    ConsecutiveDots(String),
+    #[error("host {0:?} has invalid characters")]
+    InvalidCharacters(String),
+    #[error("a path is not allowed")]
+    Path,
+    /// A URI's user name, as written.
+    #[error("bad %-escape in {0:?}")]
+    BadEscape(String),
+    #[error("'/' in user name {0:?}")]
+    SlashInUser(String),
+    #[error("user name {0:?} is not UTF-8")]
+    UserNotUtf8(String),
+}
 
 /// One hop of a ProxyJump list.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,7 +97,7 @@ impl Jump {
 
     /// The same hops with `%h %n %p %r %%` expanded in each host and user
     /// (ssh_config(5): ProxyJump accepts these tokens).
-    pub(super) fn expand(&self, tokens: &Tokens) -> Result<Jump, String> {
+    pub(super) fn expand(&self, tokens: &Tokens) -> Result<Jump, TokenError> {
         match self {
             Jump::Disabled => Ok(Jump::Disabled),
             Jump::Hops { extra, hops } => {
@@ -75,7 +114,7 @@ impl Jump {
                             port: h.port,
                         })
                     })
-                    .collect::<Result<Vec<_>, String>>()?;
+                    .collect::<Result<Vec<_>, TokenError>>()?;
                 let extra = extra
                     .as_deref()
                     .map(|e| tokens::percent(e, tokens))
@@ -104,7 +143,7 @@ impl fmt::Display for Jump {
 }
 
 /// Parse a ProxyJump value (`-J` takes the same syntax).
-pub fn parse(value: &str) -> Result<Jump, String> {
+pub fn parse(value: &str) -> Result<Jump, JumpError> {
     let text = match value.find('#') {
         Some(i) => &value[..i],
         None => value,
@@ -115,33 +154,37 @@ pub fn parse(value: &str) -> Result<Jump, String> {
     }
     let hops = text
         .split(',')
-        .map(parse_hop)
-        .collect::<Result<Vec<_>, String>>()?;
+        .map(|spec| {
+            parse_hop(spec).map_err(|source| JumpError {
+                spec: spec.to_string(),
+                source,
+            })
+        })
+        .collect::<Result<Vec<_>, JumpError>>()?;
     let extra = text.rfind(',').map(|i| text[..i].to_string());
     Ok(Jump::Hops { extra, hops })
 }
 
-fn parse_hop(spec: &str) -> Result<Hop, String> {
-    let bad = |why: &str| format!("hop {spec:?}: {why}");
+fn parse_hop(spec: &str) -> Result<Hop, HopError> {
     if let Some(uri) = spec.strip_prefix("ssh://") {
-        return parse_uri(uri).map_err(|e| bad(&e));
+        return parse_uri(uri);
     }
     let (user, rest) = match spec.rfind('@') {
-        Some(0) => return Err(bad("empty user name")),
+        Some(0) => return Err(HopError::EmptyUser),
         Some(i) => (Some(spec[..i].to_string()), &spec[i + 1..]),
         None => (None, spec),
     };
-    let (host, port) = split_host_port(rest).map_err(|e| bad(&e))?;
+    let (host, port) = split_host_port(rest)?;
     Ok(Hop { user, host, port })
 }
 
-fn parse_uri(uri: &str) -> Result<Hop, String> {
+fn parse_uri(uri: &str) -> Result<Hop, HopError> {
     let (user, rest) = match uri.find('@') {
         Some(i) => {
             let info = &uri[..i];
             let name = info.split(';').next().unwrap_or_default();
             if name.is_empty() {
-                return Err("empty user name".into());
+                return Err(HopError::EmptyUser);
             }
             (Some(url_decode(name)?), &uri[i + 1..])
         }
@@ -162,18 +205,18 @@ fn parse_uri(uri: &str) -> Result<Hop, String> {
             path = rest;
         }
         if !path.is_empty() {
-            return Err("a path is not allowed".into());
+            return Err(HopError::Path);
         }
     }
     Ok(Hop { user, host, port })
 }
 
 /// `host[:port]` or `[host]:port`.
-pub(super) fn split_host_port(s: &str) -> Result<(String, Option<u16>), String> {
+pub(super) fn split_host_port(s: &str) -> Result<(String, Option<u16>), HopError> {
     let (host_part, after) = split_delim(s, false)?;
     let host = clean_host(host_part);
     if host_part.is_empty() {
-        return Err("empty host".into());
+        return Err(HopError::EmptyHost);
     }
     let port = match after {
         Some((_, p)) if !p.is_empty() => Some(port_number(p)?),
@@ -187,9 +230,11 @@ type HostAndRest<'a> = (&'a str, Option<(char, &'a str)>);
 
 /// OpenSSH's `hpdelim2`: the host part and what follows its delimiter
 /// (`:`, or `/` where `slash` allows).
-fn split_delim(s: &str, slash: bool) -> Result<HostAndRest<'_>, String> {
+fn split_delim(s: &str, slash: bool) -> Result<HostAndRest<'_>, HopError> {
     let end = if s.starts_with('[') {
-        s.find(']').map(|i| i + 1).ok_or("unclosed '['")?
+        s.find(']')
+            .map(|i| i + 1)
+            .ok_or(HopError::UnclosedBracket)?
     } else {
         s.find([':', '/']).unwrap_or(s.len())
     };
@@ -198,7 +243,7 @@ fn split_delim(s: &str, slash: bool) -> Result<HostAndRest<'_>, String> {
         None => Ok((host, None)),
         Some(c @ ':') => Ok((host, Some((c, &rest[1..])))),
         Some(c @ '/') if slash => Ok((host, Some((c, &rest[1..])))),
-        Some(_) => Err(format!("unexpected {rest:?} after the host")),
+        Some(_) => Err(HopError::AfterHost(rest.to_string())),
     }
 }
 
@@ -209,31 +254,28 @@ fn clean_host(h: &str) -> String {
     }
 }
 
-fn port_number(p: &str) -> Result<u16, String> {
-    match super::parse::port(p) {
-        Some(n) => Ok(n),
-        None => Err(format!("bad port {p:?}")),
-    }
+fn port_number(p: &str) -> Result<u16, HopError> {
+    super::parse::port(p).ok_or_else(|| HopError::BadPort(p.to_string()))
 }
 
-fn valid_domain(name: &str) -> Result<(), String> {
-    let first = name.bytes().next().ok_or("empty host")?;
+fn valid_domain(name: &str) -> Result<(), HopError> {
+    let first = name.bytes().next().ok_or(HopError::EmptyHost)?;
     if !first.is_ascii_alphanumeric() {
-        return Err(format!("host {name:?} starts with an invalid character"));
+        return Err(HopError::BadFirstCharacter(name.to_string()));
     }
     if name.contains("..") {
-        return Err(format!("host {name:?} has consecutive dots"));
+        return Err(HopError::ConsecutiveDots(name.to_string()));
     }
     if !name
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_')
     {
-        return Err(format!("host {name:?} has invalid characters"));
+        return Err(HopError::InvalidCharacters(name.to_string()));
     }
     Ok(())
 }
 
-fn url_decode(s: &str) -> Result<String, String> {
+fn url_decode(s: &str) -> Result<String, HopError> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -244,18 +286,18 @@ fn url_decode(s: &str) -> Result<String, String> {
                     .get(i + 1..i + 3)
                     .and_then(|h| u8::from_str_radix(h, 16).ok())
                     .filter(|&b| b != 0)
-                    .ok_or_else(|| format!("bad %-escape in {s:?}"))?;
+                    .ok_or_else(|| HopError::BadEscape(s.to_string()))?;
                 out.push(hex);
                 i += 3;
             }
-            b'/' => return Err(format!("'/' in user name {s:?}")),
+            b'/' => return Err(HopError::SlashInUser(s.to_string())),
             b => {
                 out.push(b);
                 i += 1;
             }
         }
     }
-    String::from_utf8(out).map_err(|_| format!("user name {s:?} is not UTF-8"))
+    String::from_utf8(out).map_err(|_| HopError::UserNotUtf8(s.to_string()))
 }
 
 #[cfg(test)]
@@ -300,6 +342,41 @@ mod tests {
         for bad in ["h:port", "@h", "h:0", "h:70000", "[::1", "ssh://h/path", ""] {
             assert!(parse(bad).is_err(), "{bad:?} should be refused");
         }
+        // The texts users see (and the Python tests read).
+        let text = |v: &str| parse(v).expect_err("refused").to_string();
+        assert_eq!(text("a,h:port"), r#"hop "h:port": bad port "port""#);
+        assert_eq!(text("@h"), r#"hop "@h": empty user name"#);
+        assert_eq!(text("[::1"), r#"hop "[::1": unclosed '['"#);
+        assert_eq!(text(""), r#"hop "": empty host"#);
+        assert_eq!(text("h/x"), r#"hop "h/x": unexpected "/x" after the host"#);
+        assert_eq!(
+            text("ssh://h/path"),
+            r#"hop "ssh://h/path": a path is not allowed"#
+        );
+        assert_eq!(
+            text("ssh://-h"),
+            r#"hop "ssh://-h": host "-h" starts with an invalid character"#
+        );
+        assert_eq!(
+            text("ssh://a..b"),
+            r#"hop "ssh://a..b": host "a..b" has consecutive dots"#
+        );
+        assert_eq!(
+            text("ssh://a!b"),
+            r#"hop "ssh://a!b": host "a!b" has invalid characters"#
+        );
+        assert_eq!(
+            text("ssh://u%zz@h"),
+            r#"hop "ssh://u%zz@h": bad %-escape in "u%zz""#
+        );
+        assert_eq!(
+            text("ssh://a/b@h"),
+            r#"hop "ssh://a/b@h": '/' in user name "a/b""#
+        );
+        assert_eq!(
+            text("ssh://%ff@h"),
+            r#"hop "ssh://%ff@h": user name "%ff" is not UTF-8"#
+        );
     }
 
     #[test]

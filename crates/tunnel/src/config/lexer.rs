@@ -6,6 +6,16 @@
 
 const WHITESPACE: &[char] = &[' ', '\t', '\r', '\n'];
 
+/// A line that cannot be split into words (readconf.c's own texts).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LexError {
+    /// The keyword, lowercased.
+    #[error("no argument after keyword \"{0}\"")]
+    NoArgument(String),
+    #[error("invalid quotes")]
+    InvalidQuotes,
+}
+
 /// A line's keyword (lowercased) and the text after it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Split<'a> {
@@ -17,7 +27,7 @@ pub(super) struct Split<'a> {
 
 /// The keyword of `line` and what follows, or `None` for a blank line or a
 /// comment. `Err` when a keyword has no argument.
-pub(super) fn split_line(line: &str) -> Result<Option<Split<'_>>, String> {
+pub(super) fn split_line(line: &str) -> Result<Option<Split<'_>>, LexError> {
     // Trailing whitespace goes (a form feed only at the end of the line).
     let line = line.trim_end_matches(|c: char| WHITESPACE.contains(&c) || c == '\x0c');
     let mut cursor = Some(line);
@@ -39,7 +49,7 @@ pub(super) fn split_line(line: &str) -> Result<Option<Split<'_>>, String> {
         .map(|r| r.trim_start_matches(WHITESPACE))
         .unwrap_or("");
     if rest.is_empty() {
-        return Err(format!("no argument after keyword \"{keyword}\""));
+        return Err(LexError::NoArgument(keyword));
     }
     Ok(Some(Split { keyword, rest }))
 }
@@ -80,7 +90,7 @@ pub(super) fn strdelim(s: &mut Option<&str>) -> Option<String> {
 /// OpenSSH's `argv_split` with comments ending the list: words separated by
 /// spaces or tabs, `'` and `"` quote, and `\` escapes a quote, a backslash
 /// or (outside quotes) a space.
-pub(super) fn argv_split(s: &str) -> Result<Vec<String>, String> {
+pub(super) fn argv_split(s: &str) -> Result<Vec<String>, LexError> {
     let chars: Vec<char> = s.chars().collect();
     let mut args = Vec::new();
     let mut i = 0;
@@ -121,7 +131,7 @@ pub(super) fn argv_split(s: &str) -> Result<Vec<String>, String> {
             i += 1;
         }
         if quote.is_some() {
-            return Err("invalid quotes".into());
+            return Err(LexError::InvalidQuotes);
         }
         args.push(arg);
     }
@@ -156,7 +166,10 @@ mod tests {
         assert_eq!(split("# a comment"), None);
         assert_eq!(split("   "), None);
         assert_eq!(split(""), None);
-        assert!(split_line("Port").is_err());
+        assert_eq!(
+            split_line("Port").expect_err("no value").to_string(),
+            "no argument after keyword \"port\""
+        );
         assert!(split_line("Port   ").is_err());
     }
 
@@ -185,7 +198,10 @@ mod tests {
         );
         assert_eq!(argv_split("x#y").expect("splits"), ["x#y"]);
         assert_eq!(argv_split(r#""" x"#).expect("splits"), ["", "x"]);
-        assert!(argv_split("\"open").is_err());
+        assert_eq!(
+            argv_split("\"open").expect_err("unclosed").to_string(),
+            "invalid quotes"
+        );
         assert_eq!(argv_split(r"a\b").expect("splits"), [r"a\b"]);
     }
 

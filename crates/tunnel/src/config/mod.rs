@@ -29,6 +29,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::exit::{Exit, HasExit};
+use crate::platform::ConfigPermissionError;
 
 pub use jump::Jump;
 pub use parse::SshConfig;
@@ -43,17 +44,20 @@ pub enum ConfigError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{}{}: {message}", path.display(), if *line > 0 { format!(" line {line}") } else { String::new() })]
+    /// A file (line 0: the file as a whole) that ssh would refuse too. The
+    /// problem is boxed: it is the largest part, and every `Result` of the
+    /// resolver carries this type.
+    #[error("{}{}: {problem}", path.display(), if *line > 0 { format!(" line {line}") } else { String::new() })]
     Syntax {
         path: PathBuf,
         line: usize,
-        message: String,
+        problem: Box<LineError>,
     },
     #[error("ssh config option {option} {value:?}: {reason}")]
     Invalid {
         option: &'static str,
         value: String,
-        reason: String,
+        reason: InvalidValue,
     },
     #[error("host {alias}: {option} {value} ({at}): {reason}")]
     Unsupported {
@@ -61,7 +65,7 @@ pub enum ConfigError {
         option: &'static str,
         value: String,
         at: String,
-        reason: String,
+        reason: &'static str,
     },
     #[error(
         "host {host}: no CanonicalDomains suffix resolves it and CanonicalizeFallbackLocal is no"
@@ -71,6 +75,51 @@ pub enum ConfigError {
     EmptyHost,
     #[error("no home directory found (no passwd entry and no HOME)")]
     NoHome,
+}
+
+/// What is wrong with a config file or one of its lines, found when the
+/// file is read or when its lines are evaluated for a host.
+#[derive(Debug, thiserror::Error)]
+pub enum LineError {
+    #[error(transparent)]
+    Lex(#[from] lexer::LexError),
+    /// A bad value, after the line as written (trimmed).
+    #[error("{line}: {source}")]
+    Value {
+        line: String,
+        source: parse::ValueError,
+    },
+    #[error("Include nested more than {max} deep (does a file include itself?)")]
+    IncludeDepth { max: usize },
+    #[error("Include with an empty argument")]
+    EmptyInclude,
+    #[error(transparent)]
+    IncludeTilde(#[from] include::SystemTilde),
+    #[error(transparent)]
+    Permissions(#[from] ConfigPermissionError),
+    #[error(transparent)]
+    Match(#[from] criteria::EvalError),
+    #[error(transparent)]
+    IdentityFiles(#[from] options::TooManyIdentityFiles),
+    #[error(
+        "Bad configuration option: {keyword} (ssh refuses this config too; \
+         IgnoreUnknown can name options to skip)"
+    )]
+    UnknownOption { keyword: String },
+}
+
+/// Why an option's value (already read) cannot be used for this host.
+#[derive(Debug, thiserror::Error)]
+pub enum InvalidValue {
+    #[error(transparent)]
+    Jump(#[from] jump::JumpError),
+    #[error(transparent)]
+    Token(#[from] tokens::TokenError),
+    #[error("more than {max} hops (a ProxyJump loop?)")]
+    TooManyHops { max: usize },
+    /// The last hop is the target itself (ssh.c's check).
+    #[error("jumphost loop via {host}")]
+    JumpLoop { host: String },
 }
 
 impl HasExit for ConfigError {
@@ -265,10 +314,10 @@ pub fn load(sources: &Sources, local: &LocalUser) -> Result<SshConfig, ConfigErr
 
 /// ProxyJump/`-J` values: comma-separated hops; `none` means no jump.
 pub fn parse_jump(value: &str) -> Result<Jump, ConfigError> {
-    jump::parse(value).map_err(|reason| ConfigError::Invalid {
+    jump::parse(value).map_err(|e| ConfigError::Invalid {
         option: "ProxyJump",
         value: value.to_string(),
-        reason,
+        reason: e.into(),
     })
 }
 
@@ -455,7 +504,11 @@ Host *
         // A loop ends with a clear error.
         let looped = parse("Host a\n  ProxyJump b\nHost b\n  ProxyJump a\n");
         let err = resolve_route(&looped, "a", &local(), None).expect_err("loop");
-        assert!(err.to_string().contains("loop"), "{err}");
+        assert!(
+            err.to_string()
+                .ends_with(": more than 16 hops (a ProxyJump loop?)"),
+            "{err}"
+        );
         assert_eq!(err.exit(), Exit::Config);
         let err = resolve_route(&cfg, "j", &local(), Some("h:port")).expect_err("bad port");
         assert!(err.to_string().contains("ProxyJump"), "{err}");
@@ -512,10 +565,48 @@ Host *
             testing::try_parse("Host x\n  StrictHostKeyChecking maybe\n").expect_err("invalid");
         assert!(err.to_string().contains("StrictHostKeyChecking"), "{err}");
         assert!(err.to_string().contains("line 2"), "{err}");
+        assert!(
+            err.to_string().ends_with(
+                " line 2: StrictHostKeyChecking maybe: unsupported option \"maybe\" \
+                 (expected yes, ask, accept-new, no or off)"
+            ),
+            "{err}"
+        );
         assert_eq!(err.exit(), Exit::Config);
+        let err = testing::try_parse("Port").expect_err("no value");
+        assert!(
+            err.to_string()
+                .ends_with(" line 1: no argument after keyword \"port\""),
+            "{err}"
+        );
+        let err = testing::try_parse("Include \"\"").expect_err("empty Include");
+        assert!(
+            err.to_string()
+                .ends_with(" line 1: Include with an empty argument"),
+            "{err}"
+        );
         let err = resolve_in(&parse("Host x\n  IdentityFile ~/%Q\n"), "x", &local())
             .expect_err("bad token");
-        assert!(err.to_string().contains("%Q"));
+        assert_eq!(
+            err.to_string(),
+            "ssh config option IdentityFile \"~/%Q\": unknown token %Q"
+        );
+        let err = resolve_in(
+            &parse("Host x\n  HostName %d\nMatch host y\n"),
+            "x",
+            &local(),
+        )
+        .expect_err("bad token for Match host");
+        assert!(
+            err.to_string()
+                .ends_with(" line 3: HostName %d: unknown token %d"),
+            "{err}"
+        );
+        let err = parse_jump("a,h:port").expect_err("bad port");
+        assert_eq!(
+            err.to_string(),
+            "ssh config option ProxyJump \"a,h:port\": hop \"h:port\": bad port \"port\""
+        );
     }
 
     #[test]
@@ -537,6 +628,28 @@ Host *
         let missing = Sources::new(Some(nope.as_path()), Path::new("/home/alice"));
         let err = load(&missing, &local()).expect_err("missing -F file");
         assert!(matches!(err, ConfigError::Read { .. }));
+    }
+
+    /// ~/.ssh/config writable by others is refused as ssh refuses it.
+    #[cfg(unix)]
+    #[test]
+    fn group_writable_user_config_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let home = tempfile::tempdir().expect("tempdir");
+        let config = home.path().join(".ssh").join("config");
+        std::fs::create_dir(home.path().join(".ssh")).expect("mkdir");
+        std::fs::write(&config, "Host x\n").expect("write");
+        std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o664)).expect("chmod");
+        let err = load(&Sources::new(None, home.path()), &local()).expect_err("refused");
+        let shown = config.display();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{shown}: bad owner or permissions on {shown} (it must be yours or root's, \
+                 and writable by no one else)"
+            )
+        );
+        assert_eq!(err.exit(), Exit::Config);
     }
 
     #[test]

@@ -70,6 +70,11 @@ pub(super) struct Options {
 /// OpenSSH keeps at most this many identity files.
 const MAX_IDENTITY_FILES: usize = 100;
 
+/// One IdentityFile more than OpenSSH keeps (its text is ssh's).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("Too many identity files specified (max {max})", max = MAX_IDENTITY_FILES)]
+pub struct TooManyIdentityFiles;
+
 fn first<T>(slot: &mut Option<T>, value: T) {
     if slot.is_none() {
         *slot = Some(value);
@@ -83,7 +88,7 @@ impl Options {
         setting: &Setting,
         user_config: bool,
         origin: &Origin,
-    ) -> Result<(), String> {
+    ) -> Result<(), TooManyIdentityFiles> {
         let at = || origin.clone();
         match setting {
             Setting::HostName(v) => first(&mut self.hostname, v.clone()),
@@ -101,9 +106,7 @@ impl Options {
                 };
                 if !self.identity_files.contains(&file) {
                     if self.identity_files.len() >= MAX_IDENTITY_FILES {
-                        return Err(format!(
-                            "Too many identity files specified (max {MAX_IDENTITY_FILES})"
-                        ));
+                        return Err(TooManyIdentityFiles);
                     }
                     self.identity_files.push(file);
                 }
@@ -240,6 +243,17 @@ mod tests {
             .map(|f| (f.path.as_str(), f.user_provided))
             .collect();
         assert_eq!(paths, [("~/a", true), ("~/b", true), ("~/a", false)]);
+        for i in 3..MAX_IDENTITY_FILES {
+            o.apply(&Setting::IdentityFile(format!("~/{i}")), true, &origin())
+                .expect("applies");
+        }
+        let err = o
+            .apply(&Setting::IdentityFile("~/one-more".into()), true, &origin())
+            .expect_err("too many");
+        assert_eq!(
+            err.to_string(),
+            "Too many identity files specified (max 100)"
+        );
     }
 
     #[test]

@@ -7,15 +7,64 @@ use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 
 use super::criteria::{self, Criterion};
-use super::jump::{self, Jump};
-use super::lexer::{self, Split};
-use super::tokens;
-use super::{include, keywords, ConfigError, StrictHostKeyChecking};
+use super::jump::{self, Jump, JumpError};
+use super::lexer::{self, LexError, Split};
+use super::tokens::{self, TokenError};
+use super::{include, keywords, ConfigError, LineError, StrictHostKeyChecking};
 
 /// Includes nest at most this deep (OpenSSH's READCONF_MAX_DEPTH).
 const MAX_DEPTH: usize = 16;
 /// At most this many UserKnownHostsFile/GlobalKnownHostsFile entries.
 const MAX_HOSTS_FILES: usize = 32;
+
+/// A bad Host or Match line or option value; shown after the line itself.
+/// The texts follow readconf.c's, which users may search for.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValueError {
+    #[error(transparent)]
+    Lex(#[from] LexError),
+    #[error(transparent)]
+    Match(#[from] criteria::ParseError),
+    #[error(transparent)]
+    Jump(#[from] JumpError),
+    #[error("Host with an empty pattern")]
+    EmptyHostPattern,
+    #[error("Missing argument.")]
+    MissingArgument,
+    #[error("extra arguments at end of line")]
+    ExtraArguments,
+    #[error("Bad port '{0}'")]
+    BadPort(String),
+    /// A word the option does not take.
+    #[error("unsupported option \"{0}\"")]
+    Unsupported(String),
+    #[error("unsupported option \"{0}\" (expected yes or no)")]
+    NotYesNo(String),
+    #[error("unsupported option \"{0}\" (expected yes, ask, accept-new, no or off)")]
+    NotStrictHostKeyChecking(String),
+    #[error("missing time value.")]
+    MissingTime,
+    #[error("invalid time value \"{0}\".")]
+    BadTime(String),
+    #[error("integer value \"{0}\" is invalid.")]
+    BadInteger(String),
+    /// IdentityAgent's `${VAR}` cannot be expanded.
+    #[error("Invalid environment expansion {value}: {source}")]
+    AgentExpansion { value: String, source: TokenError },
+    /// IdentityAgent's `$NAME` is not a variable name.
+    #[error("Invalid environment name {0}.")]
+    AgentVariable(String),
+    #[error("empty argument")]
+    EmptyArgument,
+    #[error("too many entries (at most {max})", max = MAX_HOSTS_FILES)]
+    TooManyFiles,
+    #[error("\"none\" argument must appear alone.")]
+    NoneNotAlone,
+    #[error("invalid domain name \"{0}\"")]
+    BadDomain(String),
+    #[error("Invalid permitted CNAME \"{0}\"")]
+    BadCname(String),
+}
 
 /// The parsed config: the files `ssh` would read, in order.
 #[derive(Debug, Clone, Default)]
@@ -146,10 +195,10 @@ fn read_file(
             path: path.to_path_buf(),
             source: e,
         })?;
-        include::check_permissions(path, &meta).map_err(|message| ConfigError::Syntax {
+        include::check_permissions(path, &meta).map_err(|e| ConfigError::Syntax {
             path: path.to_path_buf(),
             line: 0,
-            message,
+            problem: Box::new(e.into()),
         })?;
     }
     tracing::debug!("reading ssh config {}", path.display());
@@ -157,18 +206,23 @@ fn read_file(
     let mut lines = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let number = i + 1;
-        let syntax = |message: String| ConfigError::Syntax {
+        let syntax = |problem: LineError| ConfigError::Syntax {
             path: path.to_path_buf(),
             line: number,
-            message,
+            problem: Box::new(problem),
         };
-        let Some(split) = lexer::split_line(raw).map_err(syntax)? else {
+        let Some(split) = lexer::split_line(raw).map_err(|e| syntax(e.into()))? else {
             continue;
         };
         let item = if split.keyword == "include" {
             Item::Include(read_includes(&split, source, glob_home, depth, number)?)
         } else {
-            item(&split).map_err(|e| syntax(format!("{}: {e}", raw.trim())))?
+            item(&split).map_err(|source| {
+                syntax(LineError::Value {
+                    line: raw.trim().to_string(),
+                    source,
+                })
+            })?
         };
         lines.push(Line { number, item });
     }
@@ -186,22 +240,21 @@ fn read_includes(
     depth: usize,
     number: usize,
 ) -> Result<Vec<ConfigFile>, ConfigError> {
-    let syntax = |message: String| ConfigError::Syntax {
+    let syntax = |problem: LineError| ConfigError::Syntax {
         path: source.path.to_path_buf(),
         line: number,
-        message,
+        problem: Box::new(problem),
     };
     if depth >= MAX_DEPTH {
-        return Err(syntax(format!(
-            "Include nested more than {MAX_DEPTH} deep (does a file include itself?)"
-        )));
+        return Err(syntax(LineError::IncludeDepth { max: MAX_DEPTH }));
     }
     let mut files = Vec::new();
-    for arg in lexer::argv_split(split.rest).map_err(syntax)? {
+    for arg in lexer::argv_split(split.rest).map_err(|e| syntax(e.into()))? {
         if arg.is_empty() {
-            return Err(syntax("Include with an empty argument".into()));
+            return Err(syntax(LineError::EmptyInclude));
         }
-        for path in include::files(&arg, source.user_config, glob_home).map_err(syntax)? {
+        let found = include::files(&arg, source.user_config, glob_home);
+        for path in found.map_err(|e| syntax(e.into()))? {
             let inner = Source {
                 path: &path,
                 user_config: source.user_config,
@@ -222,13 +275,13 @@ fn read_includes(
 }
 
 /// One non-Include line.
-fn item(split: &Split<'_>) -> Result<Item, String> {
+fn item(split: &Split<'_>) -> Result<Item, ValueError> {
     let kw = split.keyword.as_str();
     match kw {
         "host" => {
             let patterns = lexer::argv_split(split.rest)?;
             if patterns.iter().any(String::is_empty) {
-                return Err("Host with an empty pattern".into());
+                return Err(ValueError::EmptyHostPattern);
             }
             Ok(Item::Host(patterns))
         }
@@ -242,14 +295,14 @@ fn item(split: &Split<'_>) -> Result<Item, String> {
 }
 
 /// Parse the value of an option tunnel uses; `None` for other keywords.
-fn setting(keyword: &str, rest: &str) -> Result<Option<Setting>, String> {
+fn setting(keyword: &str, rest: &str) -> Result<Option<Setting>, ValueError> {
     let args = || lexer::argv_split(rest);
     let s = match keyword {
         "hostname" => Setting::HostName(one(args()?)?),
         "user" => Setting::User(one(args()?)?),
         "port" => {
             let v = one(args()?)?;
-            Setting::Port(port(&v).ok_or_else(|| format!("Bad port '{v}'"))?)
+            Setting::Port(port(&v).ok_or(ValueError::BadPort(v))?)
         }
         "identityfile" | "identityfile2" => Setting::IdentityFile(one(args()?)?),
         "identitiesonly" => Setting::IdentitiesOnly(flag(args()?)?),
@@ -275,7 +328,7 @@ fn setting(keyword: &str, rest: &str) -> Result<Option<Setting>, String> {
                     &["false", "no"],
                 ) {
                     Some(b) => b,
-                    None => return Err(format!("unsupported option \"{v}\"")),
+                    None => return Err(ValueError::Unsupported(v)),
                 },
             )
         }
@@ -292,7 +345,7 @@ fn setting(keyword: &str, rest: &str) -> Result<Option<Setting>, String> {
                 "yes" | "true" => Canonicalize::Yes,
                 "no" | "false" => Canonicalize::No,
                 "always" => Canonicalize::Always,
-                _ => return Err(format!("unsupported option \"{v}\"")),
+                _ => return Err(ValueError::Unsupported(v)),
             })
         }
         "canonicaldomains" => Setting::CanonicalDomains(domains(args()?)?),
@@ -317,14 +370,14 @@ fn not_honoured(option: &'static str, value: String) -> Setting {
 }
 
 /// Exactly one non-empty argument.
-fn one(args: Vec<String>) -> Result<String, String> {
+fn one(args: Vec<String>) -> Result<String, ValueError> {
     let mut it = args.into_iter();
     let first = it.next().filter(|a| !a.is_empty());
     let Some(first) = first else {
-        return Err("Missing argument.".into());
+        return Err(ValueError::MissingArgument);
     };
     if it.next().is_some() {
-        return Err("extra arguments at end of line".into());
+        return Err(ValueError::ExtraArguments);
     }
     Ok(first)
 }
@@ -339,24 +392,19 @@ fn multistate(v: &str, yes: &[&str], no: &[&str]) -> Option<bool> {
     }
 }
 
-fn flag(args: Vec<String>) -> Result<bool, String> {
+fn flag(args: Vec<String>) -> Result<bool, ValueError> {
     let v = one(args)?;
-    multistate(&v, &["yes", "true"], &["no", "false"])
-        .ok_or_else(|| format!("unsupported option \"{v}\" (expected yes or no)"))
+    multistate(&v, &["yes", "true"], &["no", "false"]).ok_or(ValueError::NotYesNo(v))
 }
 
-fn strict(args: Vec<String>) -> Result<StrictHostKeyChecking, String> {
+fn strict(args: Vec<String>) -> Result<StrictHostKeyChecking, ValueError> {
     let v = one(args)?;
     Ok(match v.to_ascii_lowercase().as_str() {
         "yes" | "true" => StrictHostKeyChecking::Yes,
         "ask" => StrictHostKeyChecking::Ask,
         "accept-new" => StrictHostKeyChecking::AcceptNew,
         "no" | "off" | "false" => StrictHostKeyChecking::No,
-        _ => {
-            return Err(format!(
-                "unsupported option \"{v}\" (expected yes, ask, accept-new, no or off)"
-            ))
-        }
+        _ => return Err(ValueError::NotStrictHostKeyChecking(v)),
     })
 }
 
@@ -389,14 +437,15 @@ fn service_port(name: &str, services: &str) -> Option<u16> {
 }
 
 /// A time in seconds (`90`, `1m30s`, `2h`...), or `None` for `none`.
-fn time(args: Vec<String>) -> Result<Option<u32>, String> {
-    let v = one(args).map_err(|_| "missing time value.".to_string())?;
+fn time(args: Vec<String>) -> Result<Option<u32>, ValueError> {
+    let v = one(args).map_err(|_| ValueError::MissingTime)?;
     if v == "none" {
         return Ok(None);
     }
-    convtime(&v)
-        .map(Some)
-        .ok_or_else(|| format!("invalid time value \"{v}\"."))
+    match convtime(&v) {
+        Some(t) => Ok(Some(t)),
+        None => Err(ValueError::BadTime(v)),
+    }
 }
 
 /// OpenSSH's `convtime`.
@@ -437,51 +486,54 @@ fn convtime(s: &str) -> Option<u32> {
 }
 
 /// A non-negative integer (OpenSSH: 0 to INT_MAX).
-fn int(args: Vec<String>) -> Result<u32, String> {
+fn int(args: Vec<String>) -> Result<u32, ValueError> {
     let v = one(args)?;
-    v.strip_prefix('+')
+    let n = v
+        .strip_prefix('+')
         .unwrap_or(&v)
         .parse::<u32>()
         .ok()
-        .filter(|&n| n <= i32::MAX as u32)
-        .ok_or_else(|| format!("integer value \"{v}\" is invalid."))
+        .filter(|&n| n <= i32::MAX as u32);
+    n.ok_or(ValueError::BadInteger(v))
 }
 
 /// IdentityAgent is checked when read: `${VAR}` must be set and `$NAME`
 /// must be a valid name.
-fn identity_agent(v: String) -> Result<String, String> {
-    tokens::dollar(&v).map_err(|e| format!("Invalid environment expansion {v}: {e}"))?;
+fn identity_agent(v: String) -> Result<String, ValueError> {
+    if let Err(source) = tokens::dollar(&v) {
+        return Err(ValueError::AgentExpansion { value: v, source });
+    }
     if let Some(name) = v.strip_prefix('$') {
         if !name.starts_with('{') && !tokens::valid_env_name(name) {
-            return Err(format!("Invalid environment name {v}."));
+            return Err(ValueError::AgentVariable(v));
         }
     }
     Ok(v)
 }
 
 /// UserKnownHostsFile/GlobalKnownHostsFile: files, or `none` alone.
-fn file_list(args: Vec<String>) -> Result<Vec<String>, String> {
+fn file_list(args: Vec<String>) -> Result<Vec<String>, ValueError> {
     if args.is_empty() {
-        return Err("Missing argument.".into());
+        return Err(ValueError::MissingArgument);
     }
     none_alone(&args)?;
     if args.iter().any(String::is_empty) {
-        return Err("empty argument".into());
+        return Err(ValueError::EmptyArgument);
     }
     if args.len() > MAX_HOSTS_FILES {
-        return Err(format!("too many entries (at most {MAX_HOSTS_FILES})"));
+        return Err(ValueError::TooManyFiles);
     }
     Ok(args)
 }
 
-fn none_alone(args: &[String]) -> Result<(), String> {
+fn none_alone(args: &[String]) -> Result<(), ValueError> {
     if args.len() > 1 && args.iter().any(|a| a.eq_ignore_ascii_case("none")) {
-        return Err("\"none\" argument must appear alone.".into());
+        return Err(ValueError::NoneNotAlone);
     }
     Ok(())
 }
 
-fn domains(args: Vec<String>) -> Result<Vec<String>, String> {
+fn domains(args: Vec<String>) -> Result<Vec<String>, ValueError> {
     none_alone(&args)?;
     args.into_iter()
         .map(|d| {
@@ -495,21 +547,21 @@ fn domains(args: Vec<String>) -> Result<Vec<String>, String> {
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_');
             if !ok {
-                return Err(format!("invalid domain name \"{d}\""));
+                return Err(ValueError::BadDomain(d));
             }
             Ok(lower.strip_suffix('.').unwrap_or(&lower).to_string())
         })
         .collect()
 }
 
-fn cnames(args: Vec<String>) -> Result<Vec<String>, String> {
+fn cnames(args: Vec<String>) -> Result<Vec<String>, ValueError> {
     none_alone(&args)?;
     for a in &args {
         let ok = a.eq_ignore_ascii_case("none")
             || a == "*"
             || a.split_once(':').is_some_and(|(_, to)| !to.is_empty());
         if !ok {
-            return Err(format!("Invalid permitted CNAME \"{a}\""));
+            return Err(ValueError::BadCname(a.clone()));
         }
     }
     Ok(args.into_iter().map(|a| a.to_ascii_lowercase()).collect())
@@ -519,7 +571,7 @@ fn cnames(args: Vec<String>) -> Result<Vec<String>, String> {
 mod tests {
     use super::*;
 
-    fn set(line: &str) -> Result<Option<Setting>, String> {
+    fn set(line: &str) -> Result<Option<Setting>, ValueError> {
         let split = lexer::split_line(line)?.expect("not blank");
         setting(&split.keyword, split.rest)
     }
@@ -586,6 +638,60 @@ mod tests {
             Ok(Some(Setting::CanonicalDomains(vec!["example.com".into()])))
         );
         assert!(set("CanonicalizePermittedCNAMEs bad").is_err());
+    }
+
+    /// The texts users see after "FILE line N: LINE: " (readconf.c's words).
+    #[test]
+    fn value_error_texts() {
+        let text = |line: &str| {
+            let split = lexer::split_line(line).expect("splits").expect("line");
+            item(&split).expect_err("refused").to_string()
+        };
+        for (line, want) in [
+            ("Host \"\"", "Host with an empty pattern"),
+            ("Host \"a", "invalid quotes"),
+            ("Match bogus", "Unsupported Match attribute bogus"),
+            ("ProxyJump h:0", "hop \"h:0\": bad port \"0\""),
+            ("HostName a b", "extra arguments at end of line"),
+            ("HostName \"\"", "Missing argument."),
+            ("Port 0", "Bad port '0'"),
+            ("PubkeyAuthentication maybe", "unsupported option \"maybe\""),
+            ("CanonicalizeHostname maybe", "unsupported option \"maybe\""),
+            (
+                "IdentitiesOnly maybe",
+                "unsupported option \"maybe\" (expected yes or no)",
+            ),
+            (
+                "StrictHostKeyChecking maybe",
+                "unsupported option \"maybe\" (expected yes, ask, accept-new, no or off)",
+            ),
+            ("ConnectTimeout \"\"", "missing time value."),
+            ("ConnectTimeout 5x", "invalid time value \"5x\"."),
+            ("ServerAliveCountMax -1", "integer value \"-1\" is invalid."),
+            (
+                "IdentityAgent ${TUNNEL_PARSE_TEST_UNSET}",
+                "Invalid environment expansion ${TUNNEL_PARSE_TEST_UNSET}: \
+                 environment variable ${TUNNEL_PARSE_TEST_UNSET} is not set",
+            ),
+            (
+                "IdentityAgent $BAD-NAME",
+                "Invalid environment name $BAD-NAME.",
+            ),
+            ("UserKnownHostsFile a \"\"", "empty argument"),
+            (
+                "UserKnownHostsFile none /x",
+                "\"none\" argument must appear alone.",
+            ),
+            ("CanonicalDomains -a", "invalid domain name \"-a\""),
+            (
+                "CanonicalizePermittedCNAMEs bad",
+                "Invalid permitted CNAME \"bad\"",
+            ),
+        ] {
+            assert_eq!(text(line), want, "{line}");
+        }
+        let many = format!("UserKnownHostsFile{}", " f".repeat(MAX_HOSTS_FILES + 1));
+        assert_eq!(text(&many), "too many entries (at most 32)");
     }
 
     #[test]

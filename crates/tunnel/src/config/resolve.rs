@@ -15,7 +15,9 @@ use super::options::{Options, Origin};
 use super::parse::{Canonicalize, ConfigFile, Item, SshConfig};
 use super::pattern::{self, ListMatch};
 use super::tokens::{self, Homes, Tokens};
-use super::{AgentSocket, ConfigError, LocalUser, StrictHostKeyChecking, Target};
+use super::{
+    AgentSocket, ConfigError, InvalidValue, LineError, LocalUser, StrictHostKeyChecking, Target,
+};
 
 /// Longest route accepted (ssh has no limit; a loop in the config must end).
 const MAX_HOPS: usize = 16;
@@ -105,7 +107,7 @@ fn hops_before(
         return Err(ConfigError::Invalid {
             option: "ProxyJump",
             value: last.to_string(),
-            reason: format!("more than {MAX_HOPS} hops (a ProxyJump loop?)"),
+            reason: InvalidValue::TooManyHops { max: MAX_HOPS },
         });
     }
     let request = Request {
@@ -246,10 +248,10 @@ pub(super) fn resolve(
 }
 
 fn expand_hostname(raw: &str, host: &str) -> Result<String, ConfigError> {
-    tokens::percent(raw, &Tokens::new().with('h', host)).map_err(|reason| ConfigError::Invalid {
+    tokens::percent(raw, &Tokens::new().with('h', host)).map_err(|e| ConfigError::Invalid {
         option: "HostName",
         value: raw.to_string(),
-        reason,
+        reason: e.into(),
     })
 }
 
@@ -264,8 +266,7 @@ fn unsupported_cnames(alias: &str, opts: &Options) -> ConfigError {
         value: rules,
         at,
         reason: "tunnel cannot follow DNS CNAMEs when canonicalizing host names; \
-                 remove the rules or set CanonicalizeHostname no"
-            .into(),
+                 remove the rules or set CanonicalizeHostname no",
     }
 }
 
@@ -299,10 +300,10 @@ fn evaluate_file(
             path: file.path.clone(),
             line: line.number,
         };
-        let syntax = |message: String| ConfigError::Syntax {
+        let syntax = |problem: LineError| ConfigError::Syntax {
             path: file.path.clone(),
             line: line.number,
-            message,
+            problem: Box::new(problem),
         };
         match &line.item {
             Item::Host(patterns) => {
@@ -332,7 +333,8 @@ fn evaluate_file(
                 }
             }
             Item::Match(criteria) => {
-                let hit = evaluate_match(criteria, opts, pass, wants_final).map_err(syntax)?;
+                let hit = evaluate_match(criteria, opts, pass, wants_final)
+                    .map_err(|e| syntax(e.into()))?;
                 *active = !never && hit;
                 if *active {
                     tracing::trace!("{origin}: Match applies");
@@ -356,7 +358,7 @@ fn evaluate_file(
             Item::Set(setting) => {
                 if *active {
                     opts.apply(setting, file.user_config, &origin)
-                        .map_err(syntax)?;
+                        .map_err(|e| syntax(e.into()))?;
                 }
             }
             Item::Unknown(keyword) => {
@@ -364,10 +366,9 @@ fn evaluate_file(
                     pattern::match_list(keyword, list, true) == ListMatch::Positive
                 });
                 if !ignored {
-                    return Err(syntax(format!(
-                        "Bad configuration option: {keyword} (ssh refuses this config too; \
-                         IgnoreUnknown can name options to skip)"
-                    )));
+                    return Err(syntax(LineError::UnknownOption {
+                        keyword: keyword.clone(),
+                    }));
                 }
             }
             Item::Ignored => {}
@@ -381,11 +382,15 @@ fn evaluate_match(
     opts: &Options,
     pass: &Pass<'_>,
     wants_final: &mut bool,
-) -> Result<bool, String> {
+) -> Result<bool, criteria::EvalError> {
     let host = match &opts.hostname {
         Some(h) if pass.final_pass => h.clone(),
-        Some(h) => tokens::percent(h, &Tokens::new().with('h', pass.host))
-            .map_err(|e| format!("HostName {h}: {e}"))?,
+        Some(h) => tokens::percent(h, &Tokens::new().with('h', pass.host)).map_err(|source| {
+            criteria::EvalError::HostName {
+                hostname: h.clone(),
+                source,
+            }
+        })?,
         None => pass.host.to_string(),
     };
     let port = opts.port.unwrap_or(22).to_string();
@@ -547,10 +552,10 @@ struct Expander<'a> {
 
 impl Expander<'_> {
     fn path(&self, raw: &str, option: &'static str) -> Result<PathBuf, ConfigError> {
-        let invalid = |reason: String| ConfigError::Invalid {
+        let invalid = |e: tokens::TokenError| ConfigError::Invalid {
             option,
             value: raw.to_string(),
-            reason,
+            reason: e.into(),
         };
         let t = tokens::tilde(raw, self.local).map_err(invalid)?;
         Ok(PathBuf::from(
@@ -607,10 +612,10 @@ impl Expander<'_> {
             .map(|f| {
                 tokens::tilde(f, self.local)
                     .map(PathBuf::from)
-                    .map_err(|reason| ConfigError::Invalid {
+                    .map_err(|e| ConfigError::Invalid {
                         option: "GlobalKnownHostsFile",
                         value: f.clone(),
-                        reason,
+                        reason: e.into(),
                     })
             })
             .collect()
@@ -648,7 +653,9 @@ fn proxy_jump(
             return Err(ConfigError::Invalid {
                 option: "ProxyJump",
                 value: last.to_string(),
-                reason: format!("jumphost loop via {}", last.host),
+                reason: InvalidValue::JumpLoop {
+                    host: last.host.clone(),
+                },
             });
         }
     }
@@ -662,10 +669,10 @@ fn proxy_jump(
         Some(j) => j
             .expand(&jump_tokens)
             .map(Some)
-            .map_err(|reason| ConfigError::Invalid {
+            .map_err(|e| ConfigError::Invalid {
                 option: "ProxyJump",
                 value: j.to_string(),
-                reason,
+                reason: e.into(),
             }),
     }
 }
@@ -696,13 +703,13 @@ fn is_none(files: &[String]) -> bool {
 /// Options whose effect tunnel cannot reproduce, where ignoring them would
 /// connect somewhere else or accept a key ssh would refuse.
 fn refuse_unhonourable(opts: &Options, alias: &str) -> Result<(), ConfigError> {
-    let refuse = |option: &'static str, (value, at): &(String, Origin), reason: &str| {
+    let refuse = |option: &'static str, (value, at): &(String, Origin), reason: &'static str| {
         ConfigError::Unsupported {
             alias: alias.to_string(),
             option,
             value: value.clone(),
             at: at.to_string(),
-            reason: reason.to_string(),
+            reason,
         }
     };
     let refused = [
@@ -954,7 +961,10 @@ mod tests {
             .and_then(|c| resolve_in(&c, "x", &local()))
             .expect_err("unknown");
         assert!(
-            err.to_string().contains("Bad configuration option: bogus"),
+            err.to_string().ends_with(
+                " line 2: Bad configuration option: bogus (ssh refuses this config too; \
+                 IgnoreUnknown can name options to skip)"
+            ),
             "{err}"
         );
         let cfg = parse("IgnoreUnknown bog*\nHost x\n  Bogus yes\n  Port 5\n");
@@ -999,9 +1009,11 @@ mod tests {
         );
         assert_eq!(t.known_hosts_name(), "keyx");
         let bad = parse("Host x\n  HostName %d\n");
-        assert!(
-            resolve_in(&bad, "x", &local()).is_err(),
-            "HostName takes only %h"
+        assert_eq!(
+            resolve_in(&bad, "x", &local())
+                .expect_err("HostName takes only %h")
+                .to_string(),
+            "ssh config option HostName \"%d\": unknown token %d"
         );
         let bad = parse("Host x\n  IdentityFile ~/${TUNNEL_RESOLVE_TEST_UNSET}\n");
         assert!(resolve_in(&bad, "x", &local()).is_err());
@@ -1030,7 +1042,10 @@ mod tests {
     fn a_jump_to_itself_is_a_loop_as_in_ssh() {
         let cfg = parse("Host bastion\n  ProxyJump bastion\nHost other\n  ProxyJump other:2222\n");
         let err = resolve_in(&cfg, "bastion", &local()).expect_err("loop");
-        assert!(err.to_string().contains("jumphost loop"), "{err}");
+        assert_eq!(
+            err.to_string(),
+            "ssh config option ProxyJump \"bastion\": jumphost loop via bastion"
+        );
         // Another port is another sshd: not a loop.
         assert!(resolve_in(&cfg, "other", &local()).is_ok());
     }

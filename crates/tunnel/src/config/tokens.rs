@@ -6,6 +6,26 @@
 
 use std::path::Path;
 
+/// Why a value cannot be expanded; shown after the option and its value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenError {
+    /// `${NAME` without its `}`: what follows the `${`.
+    #[error("environment variable '{0}' missing closing '}}'")]
+    UnclosedVariable(String),
+    #[error("zero-length environment variable")]
+    EmptyVariable,
+    #[error("environment variable ${{{0}}} is not set")]
+    UnsetVariable(String),
+    #[error("a '%' at the end (write %% for a literal %)")]
+    TrailingPercent,
+    /// A token this option does not take.
+    #[error("unknown token %{0}")]
+    UnknownToken(char),
+    /// `~user` for a user this machine does not know; `raw` is the whole value.
+    #[error("no such user {user} (in {raw})")]
+    NoSuchUser { user: String, raw: String },
+}
+
 /// Values of the `%` tokens that an option accepts; a token without a
 /// value here is unknown to that option.
 #[derive(Debug, Clone, Default)]
@@ -32,38 +52,36 @@ impl Tokens {
 }
 
 /// Expand `%` tokens only.
-pub(super) fn percent(raw: &str, tokens: &Tokens) -> Result<String, String> {
+pub(super) fn percent(raw: &str, tokens: &Tokens) -> Result<String, TokenError> {
     expand(raw, Some(tokens), false)
 }
 
 /// Expand `${VAR}` only.
-pub(super) fn dollar(raw: &str) -> Result<String, String> {
+pub(super) fn dollar(raw: &str) -> Result<String, TokenError> {
     expand(raw, None, true)
 }
 
 /// Expand `%` tokens and `${VAR}` in one pass.
-pub(super) fn percent_dollar(raw: &str, tokens: &Tokens) -> Result<String, String> {
+pub(super) fn percent_dollar(raw: &str, tokens: &Tokens) -> Result<String, TokenError> {
     expand(raw, Some(tokens), true)
 }
 
-fn expand(raw: &str, tokens: Option<&Tokens>, env: bool) -> Result<String, String> {
+fn expand(raw: &str, tokens: Option<&Tokens>, env: bool) -> Result<String, TokenError> {
     let mut out = String::with_capacity(raw.len());
     let mut rest = raw;
     while let Some(c) = rest.chars().next() {
         if env && rest.starts_with("${") {
             let inner = &rest[2..];
             let Some(end) = inner.find('}') else {
-                return Err(format!(
-                    "environment variable '{inner}' missing closing '}}'"
-                ));
+                return Err(TokenError::UnclosedVariable(inner.to_string()));
             };
             let name = &inner[..end];
             if name.is_empty() {
-                return Err("zero-length environment variable".into());
+                return Err(TokenError::EmptyVariable);
             }
             match std::env::var(name) {
                 Ok(v) => out.push_str(&v),
-                Err(_) => return Err(format!("environment variable ${{{name}}} is not set")),
+                Err(_) => return Err(TokenError::UnsetVariable(name.to_string())),
             }
             rest = &inner[end + 1..];
             continue;
@@ -74,7 +92,7 @@ fn expand(raw: &str, tokens: Option<&Tokens>, env: bool) -> Result<String, Strin
             continue;
         };
         let Some(t) = rest.chars().next() else {
-            return Err("a '%' at the end (write %% for a literal %)".into());
+            return Err(TokenError::TrailingPercent);
         };
         rest = &rest[t.len_utf8()..];
         if t == '%' {
@@ -83,7 +101,7 @@ fn expand(raw: &str, tokens: Option<&Tokens>, env: bool) -> Result<String, Strin
         }
         match tokens.get(t) {
             Some(v) => out.push_str(v),
-            None => return Err(format!("unknown token %{t}")),
+            None => return Err(TokenError::UnknownToken(t)),
         }
     }
     Ok(out)
@@ -99,7 +117,7 @@ pub(super) trait Homes {
 
 /// OpenSSH's `tilde_expand`: `~`, `~/path`, `~user` and `~user/path`; any
 /// other string is returned as it is.
-pub(super) fn tilde(raw: &str, homes: &dyn Homes) -> Result<String, String> {
+pub(super) fn tilde(raw: &str, homes: &dyn Homes) -> Result<String, TokenError> {
     let Some(after) = raw.strip_prefix('~') else {
         return Ok(raw.to_string());
     };
@@ -113,7 +131,10 @@ pub(super) fn tilde(raw: &str, homes: &dyn Homes) -> Result<String, String> {
         None => homes.own().to_string_lossy().into_owned(),
         Some(u) => homes
             .of(u)
-            .ok_or_else(|| format!("no such user {u} (in {raw})"))?
+            .ok_or_else(|| TokenError::NoSuchUser {
+                user: u.to_string(),
+                raw: raw.to_string(),
+            })?
             .to_string_lossy()
             .into_owned(),
     };
@@ -149,7 +170,10 @@ mod tests {
             .with('p', "22");
         assert_eq!(percent("%r@%h:%p", &t).expect("ok"), "bob@gpu:22");
         assert_eq!(percent("100%%", &t).expect("ok"), "100%");
-        assert!(percent("%d", &t).expect_err("unknown").contains("%d"));
+        assert_eq!(
+            percent("%d", &t).expect_err("unknown").to_string(),
+            "unknown token %d"
+        );
         assert!(percent("x%", &t).is_err());
         // A value is not expanded again.
         let t = Tokens::new().with('h', "%r");
@@ -168,9 +192,20 @@ mod tests {
             "a variable's value is not token-expanded"
         );
         assert_eq!(dollar("$HOME_IS_LITERAL").expect("ok"), "$HOME_IS_LITERAL");
-        assert!(dollar("${TUNNEL_TOKENS_UNSET_VAR}").is_err());
-        assert!(dollar("${}").is_err());
-        assert!(dollar("${OPEN").is_err());
+        let text = |r: Result<String, TokenError>| r.expect_err("refused").to_string();
+        assert_eq!(
+            text(dollar("${TUNNEL_TOKENS_UNSET_VAR}")),
+            "environment variable ${TUNNEL_TOKENS_UNSET_VAR} is not set"
+        );
+        assert_eq!(text(dollar("${}")), "zero-length environment variable");
+        assert_eq!(
+            text(dollar("${OPEN")),
+            "environment variable 'OPEN' missing closing '}'"
+        );
+        assert_eq!(
+            text(percent("x%", &t)),
+            "a '%' at the end (write %% for a literal %)"
+        );
     }
 
     #[test]
@@ -183,7 +218,12 @@ mod tests {
         );
         assert_eq!(tilde("~bob/k", &Fixed).expect("ok"), "/home/bob/k");
         assert_eq!(tilde("~bob", &Fixed).expect("ok"), "/home/bob/");
-        assert!(tilde("~nobody/k", &Fixed).is_err());
+        assert_eq!(
+            tilde("~nobody/k", &Fixed)
+                .expect_err("unknown user")
+                .to_string(),
+            "no such user nobody (in ~nobody/k)"
+        );
         assert_eq!(tilde("/abs/~x", &Fixed).expect("ok"), "/abs/~x");
         assert_eq!(tilde("rel", &Fixed).expect("ok"), "rel");
     }

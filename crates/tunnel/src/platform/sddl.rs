@@ -3,6 +3,38 @@
 //! DACL lets in. Pure string code, so the rules are tested on every
 //! platform; `windows.rs` feeds it the descriptors of real files.
 
+/// A descriptor that is not SDDL as Windows writes it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SddlError {
+    /// The whole descriptor.
+    #[error("bad security descriptor {0:?}")]
+    Descriptor(String),
+    /// The DACL part with an ACE outside parentheses.
+    #[error("bad ACE in {0:?}")]
+    Ace(String),
+    /// An ACE with fewer than six fields, and its DACL part.
+    #[error("bad ACE ({ace}) in {part:?}")]
+    ShortAce { ace: String, part: String },
+}
+
+/// Why a config file's descriptor is not safe, as OpenSSH for Windows
+/// judges it; shown inside windows.rs's "bad owner or permissions" text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InsecureConfig {
+    #[error(transparent)]
+    Unreadable(#[from] SddlError),
+    /// Owned by this SID (not the user, SYSTEM or Administrators).
+    #[error("it is owned by {0}")]
+    Owner(String),
+    #[error("its owner is unknown")]
+    NoOwner,
+    #[error("it has no access control list (anyone may write it)")]
+    NoDacl,
+    /// An allow ACE that lets someone else write.
+    #[error("{sid} may write it ({rights})")]
+    Writable { sid: String, rights: String },
+}
+
 /// One ACE: `(type;flags;rights;object;inherit-object;sid)`.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Ace<'a> {
@@ -21,13 +53,12 @@ pub struct Descriptor<'a> {
     pub dacl: Option<Vec<Ace<'a>>>,
 }
 
-pub fn parse(text: &str) -> Result<Descriptor<'_>, String> {
+pub fn parse(text: &str) -> Result<Descriptor<'_>, SddlError> {
+    let bad = || SddlError::Descriptor(text.to_string());
     let mut d = Descriptor::default();
     let mut rest = text;
     while !rest.is_empty() {
-        let (tag, body) = rest
-            .split_at_checked(2)
-            .ok_or_else(|| format!("bad security descriptor {text:?}"))?;
+        let (tag, body) = rest.split_at_checked(2).ok_or_else(bad)?;
         // A part runs to the next `X:` tag outside parentheses.
         let mut depth = 0usize;
         let mut end = body.len();
@@ -50,14 +81,14 @@ pub fn parse(text: &str) -> Result<Descriptor<'_>, String> {
             "O:" => d.owner = Some(part),
             "D:" => d.dacl = dacl(part)?,
             "G:" | "S:" => {}
-            _ => return Err(format!("bad security descriptor {text:?}")),
+            _ => return Err(bad()),
         }
         rest = next;
     }
     Ok(d)
 }
 
-fn dacl(part: &str) -> Result<Option<Vec<Ace<'_>>>, String> {
+fn dacl(part: &str) -> Result<Option<Vec<Ace<'_>>>, SddlError> {
     let Some(open) = part.find('(') else {
         // Flags only: an empty DACL (no one) unless it says NO_ACCESS_CONTROL.
         return Ok((!part.contains("NO_ACCESS_CONTROL")).then(Vec::new));
@@ -69,10 +100,13 @@ fn dacl(part: &str) -> Result<Option<Vec<Ace<'_>>>, String> {
     for chunk in part[open..].split(')').filter(|c| !c.is_empty()) {
         let inner = chunk
             .strip_prefix('(')
-            .ok_or_else(|| format!("bad ACE in {part:?}"))?;
+            .ok_or_else(|| SddlError::Ace(part.to_string()))?;
         let fields: Vec<&str> = inner.split(';').collect();
         if fields.len() < 6 {
-            return Err(format!("bad ACE ({inner}) in {part:?}"));
+            return Err(SddlError::ShortAce {
+                ace: inner.to_string(),
+                part: part.to_string(),
+            });
         }
         aces.push(Ace {
             kind: fields[0],
@@ -95,7 +129,7 @@ pub fn owner_only_dacl(user_sid: &str, dir: bool) -> String {
 #[cfg_attr(not(test), allow(dead_code))]
 /// Whether only `user_sid` is let in: a DACL exists and every allow ACE
 /// names that SID. (Deny ACEs only take away.)
-pub fn owner_only(text: &str, user_sid: &str) -> Result<bool, String> {
+pub fn owner_only(text: &str, user_sid: &str) -> Result<bool, SddlError> {
     let d = parse(text)?;
     Ok(match d.dacl {
         None => false,
@@ -109,23 +143,26 @@ pub fn owner_only(text: &str, user_sid: &str) -> Result<bool, String> {
 /// OpenSSH for Windows' `check_secure_file_permission` for a config file:
 /// owned by the user, SYSTEM or Administrators, and writable by no one
 /// else. `Err` says what is wrong.
-pub fn config_file_secure(text: &str, user_sid: &str) -> Result<(), String> {
+pub fn config_file_secure(text: &str, user_sid: &str) -> Result<(), InsecureConfig> {
     let d = parse(text)?;
     let trusted = |sid: &str| sid == user_sid || sid == "SY" || sid == "BA";
     match d.owner {
         Some(o) if trusted(o) => {}
-        Some(o) => return Err(format!("it is owned by {o}")),
-        None => return Err("its owner is unknown".into()),
+        Some(o) => return Err(InsecureConfig::Owner(o.to_string())),
+        None => return Err(InsecureConfig::NoOwner),
     }
     let Some(aces) = d.dacl else {
-        return Err("it has no access control list (anyone may write it)".into());
+        return Err(InsecureConfig::NoDacl);
     };
     for a in aces.iter().filter(|a| a.kind == "A") {
         if a.flags.contains("IO") {
             continue; // inherit-only: not about this file
         }
         if !trusted(a.sid) && grants_write(a.rights) {
-            return Err(format!("{} may write it ({})", a.sid, a.rights));
+            return Err(InsecureConfig::Writable {
+                sid: a.sid.to_string(),
+                rights: a.rights.to_string(),
+            });
         }
     }
     Ok(())
@@ -197,17 +234,22 @@ mod tests {
         assert_eq!(config_file_secure(&ok, ME), Ok(()));
         assert!(config_file_secure(&format!("O:BAD:(A;;FA;;;{ME})"), ME).is_ok());
         let other_owner = "O:S-1-5-21-9-9-9-1002D:(A;;FA;;;SY)";
-        assert!(config_file_secure(other_owner, ME)
-            .unwrap_err()
-            .contains("owned by"));
+        let why = |text: &str| config_file_secure(text, ME).unwrap_err().to_string();
+        assert_eq!(why(other_owner), "it is owned by S-1-5-21-9-9-9-1002");
         let users_write = format!("O:{ME}D:(A;;FA;;;{ME})(A;;0x1301bf;;;BU)");
-        assert!(config_file_secure(&users_write, ME)
-            .unwrap_err()
-            .contains("BU may write"));
+        assert_eq!(why(&users_write), "BU may write it (0x1301bf)");
+        assert_eq!(why("D:(A;;FA;;;SY)"), "its owner is unknown");
         let everyone_modify = format!("O:{ME}D:(A;;FRFW;;;WD)");
         assert!(config_file_secure(&everyone_modify, ME).is_err());
         let inherit_only = format!("O:{ME}D:(A;OICIIO;FA;;;CO)(A;;FA;;;{ME})");
         assert!(config_file_secure(&inherit_only, ME).is_ok());
-        assert!(config_file_secure(&format!("O:{ME}D:NO_ACCESS_CONTROL"), ME).is_err());
+        assert_eq!(
+            why(&format!("O:{ME}D:NO_ACCESS_CONTROL")),
+            "it has no access control list (anyone may write it)"
+        );
+        // A descriptor that cannot be read says what it is.
+        assert_eq!(why("X"), "bad security descriptor \"X\"");
+        assert_eq!(why("D:(A;;FA;;;WD)X)"), "bad ACE in \"(A;;FA;;;WD)X)\"");
+        assert_eq!(why("D:(A;;FA)"), "bad ACE (A;;FA) in \"(A;;FA)\"");
     }
 }

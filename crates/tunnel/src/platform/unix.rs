@@ -204,14 +204,27 @@ pub fn glob_root(pattern: &str) -> (PathBuf, &str) {
     }
 }
 
+/// A config file someone else could have written (windows.rs has its own,
+/// with OpenSSH for Windows' reasons).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "bad owner or permissions on {} (it must be yours or root's, and writable by no one else)",
+    path.display()
+)]
+pub struct ConfigPermissionError {
+    pub path: PathBuf,
+}
+
 /// OpenSSH refuses a config file that someone else could have written.
-pub fn check_config_permissions(path: &Path, meta: &fs::Metadata) -> Result<(), String> {
+pub fn check_config_permissions(
+    path: &Path,
+    meta: &fs::Metadata,
+) -> Result<(), ConfigPermissionError> {
     let uid = nix::unistd::getuid().as_raw();
     if (meta.uid() != 0 && meta.uid() != uid) || meta.mode() & 0o022 != 0 {
-        return Err(format!(
-            "bad owner or permissions on {} (it must be yours or root's, and writable by no one else)",
-            path.display()
-        ));
+        return Err(ConfigPermissionError {
+            path: path.to_path_buf(),
+        });
     }
     Ok(())
 }

@@ -556,9 +556,29 @@ pub fn glob_root(pattern: &str) -> (PathBuf, &str) {
     }
 }
 
+/// A config file someone else could have written, or whose owner cannot
+/// be compared (unix.rs has the Unix one).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigPermissionError {
+    #[error("cannot find the current user's SID: {source}")]
+    NoSid { source: io::Error },
+    #[error(
+        "bad owner or permissions on {} ({source}; it must be yours, SYSTEM's or \
+         Administrators', and writable by no one else)",
+        path.display()
+    )]
+    Insecure {
+        path: PathBuf,
+        source: sddl::InsecureConfig,
+    },
+}
+
 /// OpenSSH for Windows' `check_secure_file_permission`: owned by the user,
 /// SYSTEM or Administrators, writable by no one else.
-pub fn check_config_permissions(path: &Path, _meta: &fs::Metadata) -> Result<(), String> {
+pub fn check_config_permissions(
+    path: &Path,
+    _meta: &fs::Metadata,
+) -> Result<(), ConfigPermissionError> {
     let text = match security_descriptor_text(path) {
         Ok(t) => t,
         Err(e) => {
@@ -566,13 +586,10 @@ pub fn check_config_permissions(path: &Path, _meta: &fs::Metadata) -> Result<(),
             return Ok(());
         }
     };
-    let sid = user_sid().map_err(|e| format!("cannot find the current user's SID: {e}"))?;
-    sddl::config_file_secure(&text, &sid).map_err(|why| {
-        format!(
-            "bad owner or permissions on {} ({why}; it must be yours, SYSTEM's or \
-             Administrators', and writable by no one else)",
-            path.display()
-        )
+    let sid = user_sid().map_err(|source| ConfigPermissionError::NoSid { source })?;
+    sddl::config_file_secure(&text, &sid).map_err(|source| ConfigPermissionError::Insecure {
+        path: path.to_path_buf(),
+        source,
     })
 }
 

@@ -27,6 +27,19 @@ use crate::token::Token;
 /// one is gone and only a `scancel` is left to do.
 const CANCEL_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Why the login node could not be reached again for the `scancel` (shown
+/// inside the warning that says how to cancel the job by hand).
+#[derive(Debug, thiserror::Error)]
+enum ReconnectError {
+    /// Boxed: a route error is far larger than the other two.
+    #[error(transparent)]
+    Route(Box<route::RouteError>),
+    #[error("timed out")]
+    TimedOut,
+    #[error("interrupted")]
+    Interrupted,
+}
+
 /// What `up --slurm` works with: HOST is the login node, `login` its session.
 pub(super) struct JobContext<'a> {
     pub up: &'a Up<'a>,
@@ -266,16 +279,16 @@ impl JobContext<'_> {
     }
 
     /// A fresh login session for the scancel; why not, when it fails.
-    async fn reconnect_login(&self, signals: &mut Interrupts) -> Result<Handle, String> {
+    async fn reconnect_login(&self, signals: &mut Interrupts) -> Result<Handle, ReconnectError> {
         let reopen = tokio::time::timeout(
             CANCEL_CONNECT_TIMEOUT,
             route::open(self.up.route, self.up.args.accept_new),
         );
         match interruptible(signals, reopen).await {
             Ok(Ok(Ok(h))) => Ok(h),
-            Ok(Ok(Err(e))) => Err(e.to_string()),
-            Ok(Err(_)) => Err("timed out".into()),
-            Err(_) => Err("interrupted".into()),
+            Ok(Ok(Err(e))) => Err(ReconnectError::Route(Box::new(e))),
+            Ok(Err(_)) => Err(ReconnectError::TimedOut),
+            Err(_) => Err(ReconnectError::Interrupted),
         }
     }
 }
