@@ -5,6 +5,18 @@ use super::facts::{CondaPackage, Freeze, ProbeFacts};
 use std::collections::BTreeSet;
 use std::path::Path;
 
+/// Why `--export FILE` wrote nothing; the cell's error says it after the file's name.
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error("no Python environment could be read")]
+    NoEnvironment,
+    /// The probe ran but could not list the packages (no pip, say).
+    #[error("the package list could not be read from that Python")]
+    NoPackageList,
+    #[error(transparent)]
+    Write(#[from] std::io::Error),
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
     Requirements,
@@ -90,11 +102,8 @@ fn header(probe: &ProbeFacts, tool: &str) -> String {
 }
 
 /// The file's text; `Err` when the probe listed no packages.
-pub fn render(format: Format, probe: &ProbeFacts) -> Result<String, String> {
-    let freeze = probe
-        .freeze
-        .as_ref()
-        .ok_or("the package list could not be read from that Python")?;
+pub fn render(format: Format, probe: &ProbeFacts) -> Result<String, ExportError> {
+    let freeze = probe.freeze.as_ref().ok_or(ExportError::NoPackageList)?;
     let python_mm: String = probe
         .python
         .version
@@ -219,6 +228,17 @@ mod tests {
         assert!(
             text.ends_with("six==1.17.0\ntorch==2.11.0+cu130\n"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn no_package_list_is_said_so() {
+        let mut p = probe("venv");
+        p.freeze = None;
+        let err = render(Format::Requirements, &p).expect_err("nothing to pin");
+        assert_eq!(
+            err.to_string(),
+            "the package list could not be read from that Python"
         );
     }
 

@@ -14,7 +14,7 @@ mod checks;
 mod export;
 mod facts;
 
-use super::python::module_call_expression;
+use super::python::{module_call_expression, EvalError};
 use super::{bundle, html_escape, parse_args, Bundle, Magic, MagicContext, MagicError, Output};
 use checks::{Finding, Level, VisibleMap};
 use clap::{CommandFactory, Parser};
@@ -23,7 +23,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 const PROBE: &str = include_str!("probe.py");
@@ -77,21 +77,70 @@ struct Report {
 
 pub struct EnvCheck;
 
-fn session_facts(ctx: &MagicContext) -> Option<Result<SessionFacts, String>> {
+/// Why the notebook's own Python could not be read (PATH's python is checked instead).
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error(transparent)]
+    Eval(#[from] EvalError),
+    /// The answer is not JSON.
+    #[error("unreadable answer ({0})")]
+    Unreadable(serde_json::Error),
+    /// session.py caught an exception: its own words.
+    #[error("{0}")]
+    Failed(String),
+    /// JSON, but not the facts session.py sends.
+    #[error(transparent)]
+    Facts(serde_json::Error),
+}
+
+/// Why the probe process gave no facts (the report's `probe_error` and first finding).
+#[derive(Debug, thiserror::Error)]
+enum ProbeRunError {
+    #[error("could not run {}: {source}", python.display())]
+    Spawn {
+        python: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("no stdout")]
+    NoStdout,
+    #[error("no stderr")]
+    NoStderr,
+    /// Waiting for the process failed.
+    #[error(transparent)]
+    Wait(std::io::Error),
+    #[error("interrupted")]
+    Interrupted,
+    #[error("{} did not finish within {:?}", python.display(), PROBE_LIMIT)]
+    TimedOut { python: PathBuf },
+    /// It exited without the marker; `stderr_tail` is its last line of stderr.
+    #[error("{} exited ({status}) without an answer: {stderr_tail}", python.display())]
+    NoAnswer {
+        python: PathBuf,
+        status: ExitStatus,
+        stderr_tail: String,
+    },
+    /// probe.py caught an exception: its own words.
+    #[error("{0}")]
+    Failed(String),
+    #[error("unreadable probe answer ({0})")]
+    Unreadable(serde_json::Error),
+}
+
+fn session_facts(ctx: &MagicContext) -> Option<Result<SessionFacts, SessionError>> {
     let python = ctx.python?;
     let expression = module_call_expression(SESSION_KEY, SESSION, "read", &json!({}));
     let text = match python.evaluate_within(&expression, Duration::from_secs(15)) {
         Ok(text) => text,
-        Err(e) => return Some(Err(e.to_string())),
+        Err(e) => return Some(Err(e.into())),
     };
     let value: Value = match serde_json::from_str(&text) {
         Ok(v) => v,
-        Err(e) => return Some(Err(format!("unreadable answer ({e})"))),
+        Err(e) => return Some(Err(SessionError::Unreadable(e))),
     };
     if let Some(why) = value.get("failed").and_then(Value::as_str) {
-        return Some(Err(why.to_string()));
+        return Some(Err(SessionError::Failed(why.to_string())));
     }
-    Some(serde_json::from_value(value).map_err(|e| e.to_string()))
+    Some(serde_json::from_value(value).map_err(SessionError::Facts))
 }
 
 /// The env's python as a shell would pick it: the active venv/conda env first, then PATH.
@@ -117,7 +166,7 @@ fn run_probe(
     session: Option<&SessionFacts>,
     freeze: bool,
     ctx: &MagicContext,
-) -> Result<ProbeFacts, String> {
+) -> Result<ProbeFacts, ProbeRunError> {
     let args = json!({
         "sys_path": session.map(|s| s.sys_path.clone()),
         "freeze": freeze,
@@ -138,11 +187,12 @@ fn run_probe(
             };
         }
     }
-    let mut child = command
-        .spawn()
-        .map_err(|e| format!("could not run {}: {e}", python.display()))?;
-    let mut stdout = child.stdout.take().ok_or("no stdout")?;
-    let mut stderr = child.stderr.take().ok_or("no stderr")?;
+    let mut child = command.spawn().map_err(|source| ProbeRunError::Spawn {
+        python: python.to_path_buf(),
+        source,
+    })?;
+    let mut stdout = child.stdout.take().ok_or(ProbeRunError::NoStdout)?;
+    let mut stderr = child.stderr.take().ok_or(ProbeRunError::NoStderr)?;
     let out = std::thread::spawn(move || {
         let mut s = String::new();
         let _ = stdout.read_to_string(&mut s);
@@ -158,15 +208,17 @@ fn run_probe(
         match child.try_wait() {
             Ok(Some(status)) => break status,
             Ok(None) => {}
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(ProbeRunError::Wait(e)),
         }
         if ctx.cancel.is_cancelled() || started.elapsed() > PROBE_LIMIT {
             let _ = child.kill();
             let _ = child.wait();
             return Err(if ctx.cancel.is_cancelled() {
-                "interrupted".into()
+                ProbeRunError::Interrupted
             } else {
-                format!("{} did not finish within {PROBE_LIMIT:?}", python.display())
+                ProbeRunError::TimedOut {
+                    python: python.to_path_buf(),
+                }
             });
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -174,16 +226,16 @@ fn run_probe(
     let stdout = out.join().unwrap_or_default();
     let stderr = err.join().unwrap_or_default();
     let Some((_, answer)) = stdout.rsplit_once(MARKER) else {
-        return Err(format!(
-            "{} exited ({status}) without an answer: {}",
-            python.display(),
-            stderr.trim().lines().last().unwrap_or("")
-        ));
+        return Err(ProbeRunError::NoAnswer {
+            python: python.to_path_buf(),
+            status,
+            stderr_tail: stderr.trim().lines().last().unwrap_or("").to_string(),
+        });
     };
     match serde_json::from_str::<ProbeAnswer>(answer.trim()) {
         Ok(ProbeAnswer::Facts(facts)) => Ok(*facts),
-        Ok(ProbeAnswer::Failed { failed }) => Err(failed),
-        Err(e) => Err(format!("unreadable probe answer ({e})")),
+        Ok(ProbeAnswer::Failed { failed }) => Err(ProbeRunError::Failed(failed)),
+        Err(e) => Err(ProbeRunError::Unreadable(e)),
     }
 }
 
@@ -221,7 +273,7 @@ fn driver_facts(ctx: &MagicContext) -> DriverFacts {
 /// The Python to check, what the report calls it, and the python on PATH when that is
 /// another one (the notebook's own is checked first; the magics-only kernel has only PATH's).
 fn which_python(
-    session: Option<&Result<SessionFacts, String>>,
+    session: Option<&Result<SessionFacts, SessionError>>,
 ) -> (Option<PathBuf>, String, Option<String>) {
     let on_path = python_on_path();
     match session {
@@ -263,19 +315,18 @@ fn write_export(
         Some(cwd) if file.is_relative() => Path::new(cwd).join(file),
         _ => file.to_path_buf(),
     };
-    let failed = |why: String| {
+    let failed = |why: export::ExportError| {
         MagicError::new(
             "EnvCheckError",
             format!("%envcheck --export {}: {why}", file.display()),
         )
     };
     let Some(p) = probe else {
-        return Err(failed("no Python environment could be read".into()));
+        return Err(failed(export::ExportError::NoEnvironment));
     };
     let format = export::Format::for_file(&file, &p.env.kind);
-    export::render(format, p)
-        .and_then(|text| std::fs::write(&file, text).map_err(|e| e.to_string()))
-        .map_err(failed)?;
+    let text = export::render(format, p).map_err(failed)?;
+    std::fs::write(&file, text).map_err(|e| failed(e.into()))?;
     Ok(Some(format!(
         "wrote {} ({}, {} packages)",
         file.display(),
@@ -315,7 +366,8 @@ impl Magic for EnvCheck {
         }
         let (probe, probe_error) = match probe {
             Some(Ok(p)) => (Some(p), None),
-            Some(Err(e)) => (None, Some(e)),
+            // The report keeps the text: it is what `--json` readers get.
+            Some(Err(e)) => (None, Some(e.to_string())),
             None => (None, None),
         };
         let driver = driver_facts(ctx);
@@ -461,4 +513,59 @@ fn render(r: &Report) -> Bundle {
     }
     h.push_str("</table></div>");
     bundle(t, Some(h))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use facts::Freeze;
+
+    #[test]
+    fn export_errors_name_the_file_and_why() {
+        let evalue = |file: &str, probe: Option<&ProbeFacts>| {
+            write_export(Some(Path::new(file)), None, probe)
+                .expect_err("nothing written")
+                .evalue
+        };
+        assert_eq!(
+            evalue("/tmp/x.txt", None),
+            "%envcheck --export /tmp/x.txt: no Python environment could be read"
+        );
+        let unlisted = ProbeFacts::default();
+        assert_eq!(
+            evalue("/tmp/x.txt", Some(&unlisted)),
+            "%envcheck --export /tmp/x.txt: the package list could not be read from that Python"
+        );
+        let listed = ProbeFacts {
+            freeze: Some(Freeze {
+                tool: "pip freeze".into(),
+                lines: vec!["six==1.17.0".into()],
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            evalue("/nonexistent/dir/req.txt", Some(&listed)),
+            "%envcheck --export /nonexistent/dir/req.txt: No such file or directory (os error 2)"
+        );
+    }
+
+    #[test]
+    fn probe_errors_read_as_before() {
+        let python = PathBuf::from("/env/bin/python");
+        let timed_out = ProbeRunError::TimedOut {
+            python: python.clone(),
+        };
+        assert_eq!(
+            timed_out.to_string(),
+            "/env/bin/python did not finish within 180s"
+        );
+        let spawn = ProbeRunError::Spawn {
+            python,
+            source: std::io::Error::from_raw_os_error(2),
+        };
+        assert_eq!(
+            spawn.to_string(),
+            "could not run /env/bin/python: No such file or directory (os error 2)"
+        );
+    }
 }

@@ -7,7 +7,7 @@ use super::facts::{parse_message, AllocatorFacts, LiveTensor, MessageFigures, Pr
 use super::procs::{classify, ProcessView, Role};
 use crate::magics::visible;
 use gpuprobe::units::human_bytes;
-use gpuprobe::{GpuInfo, GpuSnapshot};
+use gpuprobe::{GpuInfo, GpuSnapshot, ProbeError};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -22,7 +22,7 @@ pub struct MaxBatchNote {
 /// Everything the diagnosis is made from.
 pub struct Inputs<'a> {
     pub facts: &'a ProbeFacts,
-    pub snapshot: Result<&'a GpuSnapshot, String>,
+    pub snapshot: Result<&'a GpuSnapshot, &'a ProbeError>,
     pub kernel_pid: Option<u32>,
     pub maxbatch: &'a [MaxBatchNote],
     /// `num_ooms` per CUDA device at the previous diagnosis (0 before the first).
@@ -186,7 +186,7 @@ pub fn diagnose(inputs: &Inputs) -> Diagnosis {
                 processes = classify(&gpu.processes, inputs.kernel_pid);
             }
         }
-        Err(e) => nvml_error = Some(e.clone()),
+        Err(e) => nvml_error = Some(e.to_string()),
     }
 
     let batch = batch_view(facts);
@@ -582,7 +582,7 @@ mod tests {
     fn run(f: &ProbeFacts, notes: &[MaxBatchNote]) -> Diagnosis {
         diagnose(&Inputs {
             facts: f,
-            snapshot: Err("no driver".into()),
+            snapshot: Err(&ProbeError::NoDriver("no libnvidia-ml".into())),
             kernel_pid: None,
             maxbatch: notes,
             previous_ooms: &BTreeMap::new(),

@@ -160,7 +160,7 @@ impl Oom {
         if !facts.is_oom || !this_cell {
             return;
         }
-        let snapshot = ctx.gpu.snapshot().map_err(|e| e.to_string());
+        let snapshot = ctx.gpu.snapshot();
         let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
         let (maxbatch, previous) = {
             let inner = self.notes.lock();
@@ -168,7 +168,7 @@ impl Oom {
         };
         let diagnosis = diagnosis::diagnose(&Inputs {
             facts: &facts,
-            snapshot: snapshot.as_ref().map_err(Clone::clone),
+            snapshot: snapshot.as_ref(),
             kernel_pid: ctx.python.map(|p| p.pid()),
             maxbatch: &maxbatch,
             previous_ooms: &previous,
