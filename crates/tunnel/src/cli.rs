@@ -65,8 +65,9 @@ pub enum Command {
     Config(ConfigArgs),
 }
 
+/// Which host, and how ssh reaches it: read from the ssh config as `ssh` reads it.
 #[derive(Debug, Args)]
-pub struct ConfigArgs {
+pub struct HostArgs {
     /// Host alias from the ssh config (or a host name), optionally as USER@HOST.
     pub host: String,
 
@@ -75,51 +76,15 @@ pub struct ConfigArgs {
     #[arg(short = 'F', long = "config", value_name = "CONFIG")]
     pub config: Option<PathBuf>,
 
-    /// Jump hosts, as for `tunnel up` (replaces the host's ProxyJump).
-    #[arg(short = 'J', long = "jump", value_name = "HOPS")]
-    pub jump: Option<String>,
-
-    /// Print a JSON object instead of `key value` lines.
-    #[arg(long)]
-    pub json: bool,
-}
-
-#[derive(Debug, Args)]
-pub struct DoctorArgs {
-    /// Host alias from the ssh config (or a host name), optionally as USER@HOST.
-    pub host: String,
-
-    /// ssh config file to read instead of ~/.ssh/config and /etc/ssh/ssh_config.
-    #[arg(short = 'F', long = "config", value_name = "CONFIG")]
-    pub config: Option<PathBuf>,
-
-    /// Jump hosts to go through, as for `tunnel up`.
-    #[arg(short = 'J', long = "jump", value_name = "HOPS")]
-    pub jump: Option<String>,
-
-    /// Python environment to check, as for `tunnel up`.
-    #[arg(long, value_name = "ENV")]
-    pub env: Option<String>,
-
-    /// Shell command run before activating --env, as for `tunnel up`.
-    #[arg(long, value_name = "CMD")]
-    pub init: Option<String>,
-}
-
-#[derive(Debug, Args)]
-pub struct UpArgs {
-    /// Host alias from the ssh config (or a host name), optionally as USER@HOST.
-    pub host: String,
-
-    /// ssh config file to read instead of ~/.ssh/config and /etc/ssh/ssh_config.
-    #[arg(short = 'F', long = "config", value_name = "CONFIG")]
-    pub config: Option<PathBuf>,
-
     /// Jump hosts to go through, comma-separated `[user@]host[:port]`, as
     /// ssh -J (replaces the host's ProxyJump; each hop uses its own config).
     #[arg(short = 'J', long = "jump", value_name = "HOPS")]
     pub jump: Option<String>,
+}
 
+/// The Python environment Jupyter runs in on the remote.
+#[derive(Debug, Args)]
+pub struct RemoteEnvArgs {
     /// Python environment on the remote: a venv or conda prefix path, or a
     /// conda/mamba/micromamba environment name.
     #[arg(long, value_name = "ENV")]
@@ -128,6 +93,34 @@ pub struct UpArgs {
     /// Shell command run on the remote before activating --env (e.g. "module load cuda").
     #[arg(long, value_name = "CMD")]
     pub init: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ConfigArgs {
+    #[command(flatten)]
+    pub target: HostArgs,
+
+    /// Print a JSON object instead of `key value` lines.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    #[command(flatten)]
+    pub target: HostArgs,
+
+    #[command(flatten)]
+    pub remote: RemoteEnvArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    #[command(flatten)]
+    pub target: HostArgs,
+
+    #[command(flatten)]
+    pub remote: RemoteEnvArgs,
 
     /// Remote directory Jupyter starts in (default: the remote home).
     #[arg(long, value_name = "DIR")]
@@ -281,7 +274,7 @@ mod tests {
         let Command::Up(up) = cli.command else {
             panic!("expected up");
         };
-        assert_eq!(up.host, "gpu");
+        assert_eq!(up.target.host, "gpu");
         assert_eq!(up.port, Some(9999));
         assert_eq!(up.app, App::Notebook);
         assert_eq!(up.linger, 5);
@@ -333,9 +326,12 @@ mod tests {
         let Command::Config(c) = cli.command else {
             panic!("expected config");
         };
-        assert_eq!(c.host, "lab-1");
-        assert_eq!(c.config.as_deref(), Some(std::path::Path::new("/tmp/cfg")));
-        assert!(c.json && c.jump.is_none());
+        assert_eq!(c.target.host, "lab-1");
+        assert_eq!(
+            c.target.config.as_deref(),
+            Some(std::path::Path::new("/tmp/cfg"))
+        );
+        assert!(c.json && c.target.jump.is_none());
         assert!(
             Cli::try_parse_from(["tunnel", "config"]).is_err(),
             "HOST is required"

@@ -8,13 +8,18 @@ use crate::config::{self, show, ConfigError, LocalUser, Sources};
 
 pub fn run(args: &ConfigArgs) -> Result<(), ConfigError> {
     let local = LocalUser::current()?;
-    let sources = Sources::new(args.config.as_deref(), &local.home);
+    let sources = Sources::new(args.target.config.as_deref(), &local.home);
     let ssh_config = config::load(&sources, &local)?;
     let request = config::Request {
-        jump: args.jump.as_deref().map(config::parse_jump).transpose()?,
+        jump: args
+            .target
+            .jump
+            .as_deref()
+            .map(config::parse_jump)
+            .transpose()?,
         ..config::Request::default()
     };
-    let target = config::resolve_with(&ssh_config, &args.host, &request, &local)?;
+    let target = config::resolve_with(&ssh_config, &args.target.host, &request, &local)?;
     let out = if args.json {
         format!("{:#}\n", show::json(&target))
     } else {

@@ -81,8 +81,8 @@ pub async fn run(args: DoctorArgs) -> Result<(), DoctorError> {
     let handle = open(&r, &route).await?;
     let spec = LaunchSpec {
         app: App::Server,
-        env: args.env.clone(),
-        init: args.init.clone(),
+        env: args.remote.env.clone(),
+        init: args.remote.init.clone(),
         dir: None,
         port_hint: 0,
         linger_secs: 0,
@@ -123,10 +123,15 @@ fn resolve(r: &Report, args: &DoctorArgs) -> Result<Vec<Target>, DoctorError> {
         )
     };
     let local = LocalUser::current().map_err(|e| config_fail(&e))?;
-    let sources = Sources::new(args.config.as_deref(), &local.home);
+    let sources = Sources::new(args.target.config.as_deref(), &local.home);
     let ssh_config = config::load(&sources, &local).map_err(|e| config_fail(&e))?;
-    let route = config::resolve_route(&ssh_config, &args.host, &local, args.jump.as_deref())
-        .map_err(|e| config_fail(&e))?;
+    let route = config::resolve_route(
+        &ssh_config,
+        &args.target.host,
+        &local,
+        args.target.jump.as_deref(),
+    )
+    .map_err(|e| config_fail(&e))?;
     let Some(target) = route.last() else {
         return Err(r.fail(
             "config",
@@ -143,7 +148,7 @@ fn resolve(r: &Report, args: &DoctorArgs) -> Result<Vec<Target>, DoctorError> {
         "config",
         format!(
             "{} is {}@{} port {}{}",
-            args.host,
+            args.target.host,
             target.user,
             target.host_name,
             target.port,
@@ -322,11 +327,11 @@ impl Remote<'_> {
     fn reach(&mut self, stage: Stage) {
         while self.next < stage {
             match self.next {
-                Stage::Init => match &self.args.init {
+                Stage::Init => match &self.args.remote.init {
                     Some(cmd) => self.r.ok("init", format!("`{cmd}` ran")),
                     None => self.r.ok("init", "none given"),
                 },
-                Stage::Env if self.args.env.is_none() => {
+                Stage::Env if self.args.remote.env.is_none() => {
                     self.r.ok("env", "none given: the login shell's PATH")
                 }
                 _ => {}

@@ -58,8 +58,8 @@ impl Remote {
 pub(super) fn launch_spec(args: &UpArgs, slurm: Option<String>) -> LaunchSpec {
     LaunchSpec {
         app: args.app,
-        env: args.env.clone(),
-        init: args.init.clone(),
+        env: args.remote.env.clone(),
+        init: args.remote.init.clone(),
         dir: args.dir.clone(),
         port_hint: args.port.unwrap_or(PORT_HINT),
         linger_secs: args.linger,

@@ -148,16 +148,21 @@ struct Up<'a> {
 pub async fn run(args: UpArgs) -> Result<(), UpError> {
     let mut signals = Interrupts::install().map_err(UpError::Signals)?;
     let local = LocalUser::current()?;
-    let sources = Sources::new(args.config.as_deref(), &local.home);
+    let sources = Sources::new(args.target.config.as_deref(), &local.home);
     let ssh_config = config::load(&sources, &local)?;
-    let route = config::resolve_route(&ssh_config, &args.host, &local, args.jump.as_deref())?;
+    let route = config::resolve_route(
+        &ssh_config,
+        &args.target.host,
+        &local,
+        args.target.jump.as_deref(),
+    )?;
     let Some(target) = route.last() else {
         return Err(ConfigError::EmptyHost.into());
     };
     tracing::debug!("resolved {route:?}");
     // Bad quoting in --slurm is a usage error: found before connecting.
     let sbatch = args.slurm.as_deref().map(slurm::sbatch_args).transpose()?;
-    let host_key = args.host.to_ascii_lowercase();
+    let host_key = args.target.host.to_ascii_lowercase();
     let mut state = claim_state(&args, target, &host_key)?;
     // Claimed: no other `up` for this host runs, so the record is ours. A
     // job step is never detached, so --slurm never reattaches.

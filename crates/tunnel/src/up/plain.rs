@@ -133,8 +133,8 @@ async fn finish(
             tracing::info!(
                 "left jupyter running on {}: `tunnel up {}` reattaches, `tunnel down {}` stops it",
                 target.alias,
-                args.host,
-                args.host
+                args.target.host,
+                args.target.host
             );
             launcher.close().await;
             Ok(())

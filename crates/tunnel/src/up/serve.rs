@@ -309,8 +309,8 @@ impl Serve<'_, '_> {
         let (args, target) = (self.link.args, self.link.target);
         ServerRecord {
             host: self.state.state.host.clone(),
-            config: args.config.clone(),
-            jump: args.jump.clone(),
+            config: args.target.config.clone(),
+            jump: args.target.jump.clone(),
             ssh_user: target.user.clone(),
             ssh_host: target.host_name.clone(),
             ssh_port: target.port,
