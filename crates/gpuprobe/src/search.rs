@@ -143,22 +143,24 @@ impl Default for SearchConfig {
 }
 
 impl SearchConfig {
-    /// The first opening's peak that the second is set from (`None` if it did not fit). The
-    /// whole peak over-counts a sample's bytes by the update's temporaries, which go with the
-    /// parameters: the second opening of a ViT, an LSTM and a masked autoencoder came 12% to
-    /// 25% lower from it than from the peak outside the update, and their searches took a
-    /// trial more (maxbatch-truth-2026-12-06q and -06r against
-    /// -06o and -06n). So the outside peak, where it holds at least
-    /// half of the step's bytes above `held`; the whole peak where it does not, as where an
-    /// LBFGS closure runs the forward inside the optimizer's step. At half or more the
-    /// opening stays within the room that the whole peak's over-estimate allows.
+    /// The first opening's peak that the second is set from. The whole peak over-counts a
+    /// sample's bytes by the update's temporaries, which go with the parameters: the second
+    /// opening of a ViT, an LSTM and a masked autoencoder came 12% to 25% lower from it than
+    /// from the peak outside the update, and their searches took a trial more
+    /// (maxbatch-truth-2026-12-06q and -06r against -06o and -06n). So the outside peak,
+    /// where it holds at least half of the step's bytes above `held`; the whole peak where
+    /// it does not, as where an LBFGS closure runs the forward inside the optimizer's step.
+    /// At half or more, the opening is at most the whole peak's own (over-counted) estimate
+    /// of the maximum, where from the whole peak it is half of that: it fits on a linear
+    /// step, though near that estimate the cache's fragmentation can fail it, as any trial in
+    /// the band.
     fn opening_peak(&self, first: &Outcome) -> Option<u64> {
         let Outcome::Ran { peak, phases, .. } = *first else {
             return None;
         };
         let above = |bytes: u64| bytes.saturating_sub(self.held);
         Some(match phases {
-            Some(p) if 2 * above(p.outside) >= above(peak) => p.outside,
+            Some(p) if above(p.outside).saturating_mul(2) >= above(peak) => p.outside,
             _ => peak,
         })
     }
@@ -216,11 +218,17 @@ pub fn search(
         return state.finish(Some(stop));
     }
     // After a failing first opening the search goes down from it, not up to the second.
-    let second = config.opening_peak(&state.trials[0].outcome).map(|peak| {
-        config
-            .second_opening(first, peak)
-            .clamp(1, config.max_batch)
-    });
+    // A first opening that ran over the limit did not fit either.
+    let opened = &state.trials[0];
+    let second = opened
+        .fits
+        .then(|| config.opening_peak(&opened.outcome))
+        .flatten()
+        .map(|peak| {
+            config
+                .second_opening(first, peak)
+                .clamp(1, config.max_batch)
+        });
     if let Some(second) = second.filter(|&b| b != first && !state.done()) {
         if let Err(stop) = state.run(second, &mut probe) {
             return state.finish(Some(stop));
@@ -724,6 +732,22 @@ mod tests {
         };
         assert_eq!(config.opening_peak(&whole), Some(2_330_000_000));
         assert_eq!(config.opening_peak(&Outcome::OutOfMemory), None);
+    }
+
+    #[test]
+    fn a_first_opening_that_runs_over_the_limit_sends_the_search_down() {
+        // A `--limit` below the card: batch 4 runs on the card but peaks above the limit, so
+        // it does not fit, and the second trial goes below it, not to a larger opening.
+        let config = SearchConfig {
+            limit: GIB,
+            held: 100 * MIB,
+            ..SearchConfig::default()
+        };
+        let result = search(&config, device(140 * GIB, |b| 100 * MIB + b * 300 * MIB));
+        assert!(!result.trials[0].fits, "{:?}", result.trials);
+        assert!(result.trials[1].batch < 4, "{:?}", result.trials);
+        assert_eq!(result.max_fit, Some(3), "{:?}", result.trials);
+        assert!(result.trials.len() <= 3, "{:?}", result.trials);
     }
 
     #[test]
