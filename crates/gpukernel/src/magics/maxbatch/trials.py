@@ -1863,10 +1863,12 @@ def _end_session():
         if session.saved_fraction is not None:
             session.torch.cuda.set_per_process_memory_fraction(session.saved_fraction,
                                                                session.device)
+        # Whatever stopped the restore: the report has told the user the counters restart.
+        session.restart_peak_counters()
     del session.snapshot
     clock.lap("release")
     session._settle(collect=not collected)  # a session that never froze: a full collection
-    session.restart_peak_counters()
+    session.restart_peak_counters()  # again, from what the user holds once the cache is empty
     clock.lap("settle")
     return {"closed": True, "memory": session.memory(), "timings_ms": clock.laps}
 
