@@ -38,9 +38,9 @@ pub enum StatusError {
     Closed,
     #[error("oversized response")]
     Oversized,
-    /// The first line of what came back, if any.
+    /// The first line of what came back (quoted, so control bytes show escaped).
     #[error("not an HTTP response: {0:?}")]
-    NotHttp(Option<String>),
+    NotHttp(String),
 }
 
 impl HasExit for ProbeError {
@@ -78,7 +78,7 @@ async fn status_once(port: u16, base_url: &str, token: &Token) -> Result<u16, St
     line.split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
-        .ok_or_else(|| StatusError::NotHttp(line.lines().next().map(str::to_string)))
+        .ok_or_else(|| StatusError::NotHttp(line.lines().next().unwrap_or_default().to_string()))
 }
 
 /// Poll until HTTP 200, a rejection, or `timeout`.
@@ -135,7 +135,7 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "Jupyter did not answer /api/status through the tunnel within 0s \
-             (last: not an HTTP response: Some(\"garbage\"))"
+             (last: not an HTTP response: \"garbage\")"
         );
         assert_eq!(LastTry::Status(502).to_string(), "HTTP 502");
         assert_eq!(LastTry::NoAnswer.to_string(), "no answer");
