@@ -3,7 +3,7 @@
 //! process held, and an SVG chart of peak memory against batch size.
 
 use crate::magics::{bundle, html_escape, Bundle, Output, OutputSink};
-use gpuprobe::search::{Outcome, SearchResult};
+use gpuprobe::search::{Outcome, Phase, SearchResult};
 use gpuprobe::units::human_bytes;
 use serde::Serialize;
 use serde_json::json;
@@ -289,15 +289,11 @@ pub(super) fn summary(f: &Findings) -> Bundle {
     ));
     if let Some((fixed, per)) = search.fit {
         // Split trials fit the peak outside the optimizer's step (search::PhasePeaks).
-        let split = search.trials.first().is_some_and(|t| {
-            matches!(
-                t.outcome,
-                Outcome::Ran {
-                    phases: Some(_),
-                    ..
-                }
-            )
-        });
+        let split = search
+            .trials
+            .first()
+            .and_then(|t| t.outcome.peak_in(Phase::Optimizer))
+            .is_some();
         text.push_str(&format!(
             "  allocated ~ {} fixed + {} per sample (fit of the first two trials{})\n",
             human_bytes(fixed.max(0.0) as u64),
@@ -649,6 +645,30 @@ mod tests {
         let text = data["text/plain"].as_str().unwrap();
         assert!(text.contains("no recommendation"), "{text}");
         assert!(data["application/json"]["recommended"].is_null());
+    }
+
+    #[test]
+    fn the_fit_line_says_which_peak_it_fits() {
+        let text = |f: &Findings| summary(f)["text/plain"].as_str().unwrap().to_string();
+        let mut f = findings();
+        assert!(
+            text(&f).contains("(fit of the first two trials)\n"),
+            "{}",
+            text(&f)
+        );
+        f.search.trials[0].outcome = Outcome::Ran {
+            peak: 573_000_000,
+            reserved: 600_000_000,
+            phases: Some(gpuprobe::search::PhasePeaks {
+                outside: 500_000_000,
+                optimizer: 573_000_000,
+            }),
+        };
+        assert!(
+            text(&f).contains("(fit of the first two trials, outside the optimizer's step)"),
+            "{}",
+            text(&f)
+        );
     }
 
     #[test]

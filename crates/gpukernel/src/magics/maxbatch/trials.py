@@ -1355,8 +1355,9 @@ class PhasePeaks:
         self.by_phase = [0, 0]  # allocated: outside, inside
         self._reserved = 0
 
-    @classmethod
-    def of_cuda(cls, torch, device, hooks=True):
+    @staticmethod
+    def cuda_counters(torch, device):
+        """CUDA's allocator counters as ``stats`` takes them: ``(peaks, reset)``."""
         cuda = torch.cuda
 
         def peaks():
@@ -1367,7 +1368,7 @@ class PhasePeaks:
             return tuple(stats.get(k, {}).get("all", {}).get("peak", 0)
                          for k in ("allocated_bytes", "reserved_bytes"))
 
-        return cls(torch, (peaks, lambda: cuda.reset_peak_memory_stats(device)), hooks)
+        return peaks, lambda: cuda.reset_peak_memory_stats(device)
 
     def start(self):
         self._reset()
@@ -1696,22 +1697,26 @@ class Session:
             return self.trial(batch, steps, timed)
         return result
 
-    def _phase_peaks(self):
+    def _counters(self):
+        """The allocator's peak counters, ``(peaks, reset)``: a test's, CUDA's, or None."""
         if self.peak_stats is not None:
-            return PhasePeaks(self.torch, self.peak_stats, self.phase_hooks)
+            return self.peak_stats
         if self.on_gpu():
-            return PhasePeaks.of_cuda(self.torch, self.device, self.phase_hooks)
+            return PhasePeaks.cuda_counters(self.torch, self.device)
         return None
+
+    def _phase_peaks(self):
+        counters = self._counters()
+        return None if counters is None else PhasePeaks(self.torch, counters, self.phase_hooks)
 
     def restart_peak_counters(self):
         """The allocator's peak counters start again from what the user holds: the trials
         reset them at every phase, and the last trial's peak left in them would be read as
         the user's by their next `max_memory_allocated()`. (Their peak from before the
         session cannot be put back: torch has no call that sets it.)"""
-        if self.peak_stats is not None:
-            self.peak_stats[1]()
-        elif self.on_gpu():
-            self.torch.cuda.reset_peak_memory_stats(self.device)
+        counters = self._counters()
+        if counters is not None:
+            counters[1]()
 
 
 def _drop_frames(err):
