@@ -90,17 +90,21 @@ pub async fn wait_ready(
 ) -> Result<(), ProbeError> {
     let start = Instant::now();
     let mut delay = Duration::from_millis(20);
+    let mut last = LastTry::NoAnswer;
     loop {
         let per_try = timeout
             .saturating_sub(start.elapsed())
             .max(Duration::from_millis(1));
-        let last = match tokio::time::timeout(per_try, status_once(port, base_url, token)).await {
+        match tokio::time::timeout(per_try, status_once(port, base_url, token)).await {
             Ok(Ok(200)) => return Ok(()),
             Ok(Ok(code @ (401 | 403))) => return Err(ProbeError::Rejected(code)),
-            Ok(Ok(code)) => LastTry::Status(code),
-            Ok(Err(e)) => e.into(),
-            Err(_) => LastTry::NoAnswer,
-        };
+            Ok(Ok(code)) => last = LastTry::Status(code),
+            Ok(Err(e)) => last = e.into(),
+            // A try is only cut off by the overall deadline, often with a
+            // millisecond left on a slow machine: keep what the previous
+            // try got, which says more than "no answer".
+            Err(_) => {}
+        }
         tracing::debug!("/api/status: {last}");
         if start.elapsed() >= timeout {
             return Err(ProbeError::Timeout {
@@ -139,6 +143,57 @@ mod tests {
         );
         assert_eq!(LastTry::Status(502).to_string(), "HTTP 502");
         assert_eq!(LastTry::NoAnswer.to_string(), "no answer");
+    }
+
+    /// A try cut off by the deadline does not hide what an earlier try got
+    /// (on a slow machine the last try may have a millisecond left).
+    #[tokio::test]
+    async fn a_try_cut_off_by_the_deadline_keeps_the_earlier_answer() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            let mut first = true;
+            while let Ok((mut s, _)) = listener.accept().await {
+                if first {
+                    let _ = s.write_all(b"garbage\r\n").await;
+                    first = false;
+                }
+                // Later connections are accepted and never answered.
+                held.push(s);
+            }
+        });
+        let token = Token::from_saved("t".into());
+        let err = wait_ready(port, "/", &token, Duration::from_millis(300))
+            .await
+            .expect_err("not Jupyter");
+        assert!(
+            err.to_string()
+                .ends_with("(last: not an HTTP response: \"garbage\")"),
+            "{err}"
+        );
+    }
+
+    /// A server that accepts and never answers is "no answer".
+    #[tokio::test]
+    async fn silence_is_no_answer() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                held.push(s);
+            }
+        });
+        let token = Token::from_saved("t".into());
+        let err = wait_ready(port, "/", &token, Duration::from_millis(200))
+            .await
+            .expect_err("silent");
+        assert!(err.to_string().ends_with("(last: no answer)"), "{err}");
+    }
+
+    #[test]
+    fn last_try_texts() {
         assert_eq!(
             LastTry::from(StatusError::Closed).to_string(),
             "connection closed before a response"
