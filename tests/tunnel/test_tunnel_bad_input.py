@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import glob
-import shutil
+import os
 import socket
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -136,18 +137,32 @@ def test_a_remote_shell_that_never_runs_the_launcher_is_named_when_up_times_out(
     assert r.stdout == ""
 
 
-def test_a_hung_init_is_named_when_up_times_out(up):
+def processes_with(needle: str) -> int:
+    n = 0
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmdline, "rb") as f:
+                if needle in f.read().replace(b"\0", b" ").decode(errors="replace"):
+                    n += 1
+        except OSError:
+            pass
+    return n
+
+
+def test_a_hung_init_is_stopped_and_named_by_the_remote(up):
+    """--init runs where no stop request reaches it: the remote bounds it by --timeout,
+    stops it and what it started, names it, and leaves nothing behind."""
     before = runtime_dirs()
-    try:
-        r = up("--init", "sleep 30", "--timeout", "3")
-        assert r.returncode == EXIT["timeout"], r.stderr
-        assert "the launcher ran, but its login shell's startup files" in r.stderr
-        assert "--init" in r.stderr and "tunnel doctor" in r.stderr
-    finally:
-        # The launcher waits in the login shell for --init, where no stop request reaches
-        # it; it stops itself after the linger (here the sshd fixture's teardown kills it).
-        for d in runtime_dirs() - before:
-            shutil.rmtree(d, ignore_errors=True)
+    marker = f"sleep {400000 + os.getpid()}.25"  # this test's processes only
+    r = up("--init", f"echo waiting for a licence; {marker} & {marker}", "--timeout", "3")
+    assert r.returncode == EXIT["timeout"], r.stderr
+    assert "the --init command did not finish within 3s" in r.stderr
+    assert "it and what it started were stopped" in r.stderr
+    assert "run it by hand in an ssh session" in r.stderr
+    assert "waiting for a licence" in r.stderr  # init.log's tail
+    time.sleep(0.5)
+    assert processes_with(marker) == 0
+    assert runtime_dirs() == before
 
 
 def test_a_jupyter_that_hangs_at_start_is_named_by_the_remote(up, tmp_path):

@@ -18,6 +18,9 @@ use crate::route::{self, Passed, RouteError};
 /// The remote checks run a login shell, maybe conda's hook and `jupyter
 /// --version` (a Python start-up): slow on a busy login node, never minutes.
 const REMOTE_TIMEOUT: Duration = Duration::from_secs(120);
+/// The remote stops a hung --init after this (its guard, `init_guard.sh`), in
+/// time to name it before [`REMOTE_TIMEOUT`] gives up on the whole remote.
+const INIT_TIMEOUT: Duration = Duration::from_secs(100);
 /// How long to wait for the log lines that follow a remote `error`.
 const LOG_GRACE: Duration = Duration::from_secs(3);
 
@@ -86,7 +89,7 @@ pub async fn run(args: DoctorArgs) -> Result<(), DoctorError> {
         dir: None,
         port_hint: 0,
         linger_secs: 0,
-        timeout_secs: 0,
+        timeout_secs: INIT_TIMEOUT.as_secs(),
         slurm: None,
     };
     let launcher = Launcher::doctor(&handle, &spec).await.map_err(|e| {
@@ -424,6 +427,12 @@ fn remote_failure(kind: &str) -> (Stage, &'static str, Exit) {
             "run the --init command by hand after `ssh HOST` to see why it fails",
             Exit::RemoteSetup,
         ),
+        "init-timeout" => (
+            Stage::Init,
+            "run the --init command by hand after `ssh HOST` to see where it waits (a module \
+             system, a licence server, a prompt)",
+            Exit::Timeout,
+        ),
         "env" => (
             Stage::Env,
             "give --env a venv or conda prefix path, or a name from \
@@ -463,4 +472,21 @@ async fn log_tail(launcher: &mut Launcher) -> Vec<String> {
         }
     }
     log
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The remote's init guard fires well before the client gives up on the
+    /// remote, so its error (which names --init) is what the user sees.
+    #[test]
+    fn a_hung_init_is_an_init_timeout() {
+        assert!(INIT_TIMEOUT + Duration::from_secs(10) <= REMOTE_TIMEOUT);
+        let (stage, todo, exit) = remote_failure("init-timeout");
+        assert_eq!(stage, Stage::Init);
+        assert_eq!(exit, Exit::Timeout);
+        assert!(todo.contains("--init"), "{todo}");
+        assert_eq!(remote_failure("init").2, Exit::RemoteSetup);
+    }
 }

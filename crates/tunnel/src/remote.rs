@@ -22,6 +22,7 @@ use crate::exit::{Exit, HasExit};
 use crate::token::Token;
 
 const BOOTSTRAP: &str = include_str!("remote/bootstrap.sh");
+const INIT_GUARD: &str = include_str!("remote/init_guard.sh");
 const COMMON: &str = include_str!("remote/common.sh");
 const SETUP: &str = include_str!("remote/setup.sh");
 const LAUNCH: &str = include_str!("remote/launch.sh");
@@ -155,11 +156,13 @@ pub fn doctor_line(spec: &LaunchSpec) -> String {
 fn stage1_with(spec: &LaunchSpec, main: &str) -> String {
     let opt = |o: &Option<String>| sh_quote(o.as_deref().unwrap_or(""));
     let script = format!(
-        "TUNNEL_MAIN={main}\nTUNNEL_INIT={init}\nTUNNEL_ENV={env}\nTUNNEL_DIR={dir}\n\
+        "TUNNEL_MAIN={main}\nTUNNEL_INIT={init}\nTUNNEL_GUARD={guard}\nTUNNEL_ENV={env}\n\
+         TUNNEL_DIR={dir}\n\
          TUNNEL_APP={app}\nTUNNEL_PORT={port}\nTUNNEL_LINGER={linger}\nTUNNEL_TIMEOUT={timeout}\n\
          TUNNEL_SLURM={slurm}\n{boot}",
         main = sh_quote(main),
         init = opt(&spec.init),
+        guard = sh_quote(INIT_GUARD),
         env = opt(&spec.env),
         dir = opt(&spec.dir),
         app = spec.app.subcommand(),
@@ -231,7 +234,7 @@ pub fn error_from(kind: &str, message: String, log: Vec<String>) -> RemoteError 
     match kind {
         "jupyter-missing" => RemoteError::JupyterMissing { message },
         "jupyter-exited" => RemoteError::JupyterFailed { message, log },
-        "timeout" => RemoteError::Timeout { message, log },
+        "timeout" | "init-timeout" => RemoteError::Timeout { message, log },
         "gone" => RemoteError::Gone { message },
         _ => RemoteError::Setup { message, log },
     }
@@ -414,6 +417,8 @@ mod tests {
     use std::io::Write;
     #[cfg(unix)]
     use std::process::{Command, Stdio};
+    #[cfg(unix)]
+    use std::time::Duration;
 
     fn spec() -> LaunchSpec {
         LaunchSpec {
@@ -508,6 +513,93 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         assert_eq!(lines[n - 1], "unset", "{text}");
     }
 
+    /// Run the real bootstrap with `init` and `main` under a real /bin/sh
+    /// whose runtime dirs go to `tmp`; its stdout.
+    #[cfg(unix)]
+    fn run_bootstrap(tmp: &std::path::Path, init: &str, timeout_secs: u64, main: &str) -> String {
+        let spec = LaunchSpec {
+            init: Some(init.into()),
+            env: None,
+            timeout_secs,
+            ..spec()
+        };
+        let mut child = Command::new("/bin/sh")
+            .args(["-c", STDIN_SCRIPT])
+            .env("TMPDIR", tmp)
+            .env_remove("XDG_RUNTIME_DIR")
+            .env("SHELL", "/bin/sh")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("sh runs");
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin
+            .write_all(stage1_with(&spec, main).as_bytes())
+            .expect("write");
+        stdin.write_all(b"token\n").expect("write");
+        drop(stdin);
+        let out = child.wait_with_output().expect("sh finishes");
+        String::from_utf8(out.stdout).expect("utf8")
+    }
+
+    /// Processes whose command line contains `needle` (Linux's /proc).
+    #[cfg(target_os = "linux")]
+    fn processes_with(needle: &str) -> usize {
+        std::fs::read_dir("/proc")
+            .expect("/proc")
+            .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+            .filter(|c| {
+                String::from_utf8_lossy(c)
+                    .replace('\0', " ")
+                    .contains(needle)
+            })
+            .count()
+    }
+
+    /// An --init that hangs is stopped at the deadline, with what it started,
+    /// and named; nothing of the launch is left (no runtime dir, no process).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_hung_init_is_stopped_at_the_deadline() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        // Unique, so that the count below is this test's processes only.
+        let marker = format!("{}.5", 400_000 + std::process::id());
+        let init = format!("echo waiting for a licence; sleep {marker} & sleep {marker}");
+        let start = std::time::Instant::now();
+        let text = run_bootstrap(tmp.path(), &init, 2, "echo main ran");
+        let took = start.elapsed();
+        assert!(
+            text.contains(
+                "tunnel-remote: error init-timeout the --init command did not finish within 2s"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("tunnel-remote: log waiting for a licence"),
+            "{text}"
+        );
+        assert!(!text.contains("main ran"), "{text}");
+        assert!(took < Duration::from_secs(15), "{took:?}");
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(processes_with(&format!("sleep {marker}")), 0);
+        let left: Vec<_> = std::fs::read_dir(tmp.path()).expect("tmp").collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
+
+    /// An --init that returns in time goes on to stage 2 with its exports,
+    /// and its guard is gone: stage 2 (the same pid as the login shell) runs
+    /// past the deadline, without the guard's variables.
+    #[cfg(unix)]
+    #[test]
+    fn an_init_in_time_is_not_stopped_later() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let main = "sleep 2.5; echo \"main ran $FROM_INIT\"; \
+                    env | grep -c -e '^TUNNEL_GUARD=' -e '^TUNNEL_DEADLINE='; rm -rf \"$TUNNEL_RT\"";
+        let text = run_bootstrap(tmp.path(), "export FROM_INIT=yes", 1, main);
+        assert!(!text.contains("error"), "{text}");
+        assert!(text.contains("main ran yes\n0\n"), "{text}");
+    }
+
     // The remote scripts run under a POSIX /bin/sh: the test runs one locally.
     #[cfg(unix)]
     #[test]
@@ -516,6 +608,7 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         let attach = [COMMON, ATTACH, SESSION].concat();
         for (name, text) in [
             ("bootstrap", BOOTSTRAP),
+            ("init guard", INIT_GUARD),
             ("launch", main.as_str()),
             ("attach", attach.as_str()),
         ] {
