@@ -417,7 +417,7 @@ mod tests {
     use std::io::Write;
     #[cfg(unix)]
     use std::process::{Command, Stdio};
-    #[cfg(unix)]
+    #[cfg(target_os = "linux")]
     use std::time::Duration;
 
     fn spec() -> LaunchSpec {
