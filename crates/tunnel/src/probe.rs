@@ -145,24 +145,29 @@ mod tests {
         assert_eq!(LastTry::NoAnswer.to_string(), "no answer");
     }
 
-    /// A try cut off by the deadline does not hide what an earlier try got
-    /// (on a slow machine the last try may have a millisecond left).
-    #[tokio::test]
-    async fn a_try_cut_off_by_the_deadline_keeps_the_earlier_answer() {
+    /// A server on loopback that answers its first connection with `first`
+    /// (if any) and holds every connection open without another word.
+    async fn answer_once_then_hold(first: Option<&'static [u8]>) -> u16 {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().expect("addr").port();
         tokio::spawn(async move {
             let mut held = Vec::new();
-            let mut first = true;
+            let mut first = first;
             while let Ok((mut s, _)) = listener.accept().await {
-                if first {
-                    let _ = s.write_all(b"garbage\r\n").await;
-                    first = false;
+                if let Some(bytes) = first.take() {
+                    let _ = s.write_all(bytes).await;
                 }
-                // Later connections are accepted and never answered.
                 held.push(s);
             }
         });
+        port
+    }
+
+    /// A try cut off by the deadline does not hide what an earlier try got
+    /// (on a slow machine the last try may have a millisecond left).
+    #[tokio::test]
+    async fn a_try_cut_off_by_the_deadline_keeps_the_earlier_answer() {
+        let port = answer_once_then_hold(Some(b"garbage\r\n")).await;
         let token = Token::from_saved("t".into());
         let err = wait_ready(port, "/", &token, Duration::from_millis(300))
             .await
@@ -177,14 +182,7 @@ mod tests {
     /// A server that accepts and never answers is "no answer".
     #[tokio::test]
     async fn silence_is_no_answer() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let port = listener.local_addr().expect("addr").port();
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((s, _)) = listener.accept().await {
-                held.push(s);
-            }
-        });
+        let port = answer_once_then_hold(None).await;
         let token = Token::from_saved("t".into());
         let err = wait_ready(port, "/", &token, Duration::from_millis(200))
             .await

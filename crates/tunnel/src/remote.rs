@@ -484,25 +484,7 @@ mod tests {
         // Stage 2 stand-in: report what Jupyter's launcher would see.
         let main = r#"stat -c '%a %s' "$TUNNEL_RT/token"; cat "$TUNNEL_RT/token"; echo
 env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$TUNNEL_RT""#;
-        let line = stage1_with(&spec(), main);
-        let mut child = Command::new("/bin/sh")
-            .args(["-c", STDIN_SCRIPT])
-            .env("TMPDIR", tmp.path())
-            .env_remove("XDG_RUNTIME_DIR")
-            .env("JUPYTER_TOKEN", "from-a-profile")
-            .env("SHELL", "/bin/sh")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("sh runs");
-        let mut stdin = child.stdin.take().expect("stdin");
-        stdin.write_all(line.as_bytes()).expect("write");
-        stdin
-            .write_all(format!("{token}\n").as_bytes())
-            .expect("write");
-        drop(stdin);
-        let out = child.wait_with_output().expect("sh finishes");
-        let text = String::from_utf8(out.stdout).expect("utf8");
+        let text = run_bootstrap(tmp.path(), &spec(), main, token);
         let lines: Vec<&str> = text.lines().collect();
         let n = lines.len();
         assert!(n >= 4, "{text}");
@@ -513,20 +495,16 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         assert_eq!(lines[n - 1], "unset", "{text}");
     }
 
-    /// Run the real bootstrap with `init` and `main` under a real /bin/sh
-    /// whose runtime dirs go to `tmp`; its stdout.
+    /// Run the real bootstrap of `spec` with `main` as stage 2 and `token` on
+    /// stdin, under a real /bin/sh whose runtime dirs go to `tmp` (and whose
+    /// login profile set a JUPYTER_TOKEN); its stdout.
     #[cfg(unix)]
-    fn run_bootstrap(tmp: &std::path::Path, init: &str, timeout_secs: u64, main: &str) -> String {
-        let spec = LaunchSpec {
-            init: Some(init.into()),
-            env: None,
-            timeout_secs,
-            ..spec()
-        };
+    fn run_bootstrap(tmp: &std::path::Path, spec: &LaunchSpec, main: &str, token: &str) -> String {
         let mut child = Command::new("/bin/sh")
             .args(["-c", STDIN_SCRIPT])
             .env("TMPDIR", tmp)
             .env_remove("XDG_RUNTIME_DIR")
+            .env("JUPYTER_TOKEN", "from-a-profile")
             .env("SHELL", "/bin/sh")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -534,12 +512,24 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
             .expect("sh runs");
         let mut stdin = child.stdin.take().expect("stdin");
         stdin
-            .write_all(stage1_with(&spec, main).as_bytes())
+            .write_all(stage1_with(spec, main).as_bytes())
             .expect("write");
-        stdin.write_all(b"token\n").expect("write");
+        stdin
+            .write_all(format!("{token}\n").as_bytes())
+            .expect("write");
         drop(stdin);
         let out = child.wait_with_output().expect("sh finishes");
         String::from_utf8(out.stdout).expect("utf8")
+    }
+
+    /// [`spec`] with this --init and --timeout.
+    #[cfg(unix)]
+    fn init_spec(init: &str, timeout_secs: u64) -> LaunchSpec {
+        LaunchSpec {
+            init: Some(init.into()),
+            timeout_secs,
+            ..spec()
+        }
     }
 
     /// Processes whose command line contains `needle` (Linux's /proc).
@@ -566,7 +556,7 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         let marker = format!("{}.5", 400_000 + std::process::id());
         let init = format!("echo waiting for a licence; sleep {marker} & sleep {marker}");
         let start = std::time::Instant::now();
-        let text = run_bootstrap(tmp.path(), &init, 2, "echo main ran");
+        let text = run_bootstrap(tmp.path(), &init_spec(&init, 2), "echo main ran", "t");
         let took = start.elapsed();
         assert!(
             text.contains(
@@ -595,7 +585,7 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         let tmp = tempfile::tempdir().expect("tempdir");
         let main = "sleep 2.5; echo \"main ran $FROM_INIT\"; \
                     env | grep -c -e '^TUNNEL_GUARD=' -e '^TUNNEL_DEADLINE='; rm -rf \"$TUNNEL_RT\"";
-        let text = run_bootstrap(tmp.path(), "export FROM_INIT=yes", 1, main);
+        let text = run_bootstrap(tmp.path(), &init_spec("export FROM_INIT=yes", 1), main, "t");
         assert!(!text.contains("error"), "{text}");
         assert!(text.contains("main ran yes\n0\n"), "{text}");
     }
