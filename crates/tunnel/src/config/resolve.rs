@@ -311,22 +311,8 @@ fn evaluate_file(
                 if never {
                     continue;
                 }
-                let mut named = false;
-                for p in patterns {
-                    let (negated, pat) = match p.strip_prefix('!') {
-                        Some(rest) => (true, rest),
-                        None => (false, p.as_str()),
-                    };
-                    if pattern::matches(pass.host, pat) {
-                        if negated {
-                            tracing::trace!("{origin}: Host skipped: negated match for {pat}");
-                            *active = false;
-                            break;
-                        }
-                        *active = true;
-                        named |= pat != "*";
-                    }
-                }
+                let named;
+                (*active, named) = host_applies(patterns, pass.host, &origin);
                 if *active {
                     tracing::trace!("{origin}: Host {} applies", patterns.join(" "));
                     opts.configured |= named;
@@ -375,6 +361,27 @@ fn evaluate_file(
         }
     }
     Ok(())
+}
+
+/// Whether a `Host` line's patterns apply to `host`, and whether one that
+/// matched names it (not just `*`). A negated match rules the line out.
+fn host_applies(patterns: &[String], host: &str, origin: &Origin) -> (bool, bool) {
+    let (mut active, mut named) = (false, false);
+    for p in patterns {
+        let (negated, pat) = match p.strip_prefix('!') {
+            Some(rest) => (true, rest),
+            None => (false, p.as_str()),
+        };
+        if pattern::matches(host, pat) {
+            if negated {
+                tracing::trace!("{origin}: Host skipped: negated match for {pat}");
+                return (false, false);
+            }
+            active = true;
+            named |= pat != "*";
+        }
+    }
+    (active, named)
 }
 
 fn evaluate_match(
