@@ -165,6 +165,25 @@ def test_a_hung_init_is_stopped_and_named_by_the_remote(up):
     assert runtime_dirs() == before
 
 
+def test_a_hung_env_activation_is_stopped_and_named_by_the_remote(up, tmp_path):
+    """--env by name through a conda that never answers (as on a stalled shared file
+    system): bounded by --timeout like --init, stopped, named, nothing left."""
+    before = runtime_dirs()
+    bin_dir = tmp_path / "stalled-conda"
+    bin_dir.mkdir()
+    marker = f"sleep {400000 + os.getpid()}.5"
+    conda = bin_dir / "conda"
+    conda.write_text(f"#!/bin/sh\n{marker}\n")
+    conda.chmod(0o755)
+    r = up("--init", f"PATH={bin_dir}:$PATH; export PATH", "--env", "myenv",
+           "--timeout", "3")
+    assert r.returncode == EXIT["timeout"], r.stderr
+    assert "activating --env myenv did not finish within 3s" in r.stderr
+    time.sleep(0.5)
+    assert processes_with(marker) == 0
+    assert runtime_dirs() == before
+
+
 def test_a_jupyter_that_hangs_at_start_is_named_by_the_remote(up, tmp_path):
     """Jupyter's own start is bounded on the remote, which names it."""
     slow = tmp_path / "slow-jupyter-config"

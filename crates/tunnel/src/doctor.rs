@@ -18,8 +18,8 @@ use crate::route::{self, Passed, RouteError};
 /// The remote checks run a login shell, maybe conda's hook and `jupyter
 /// --version` (a Python start-up): slow on a busy login node, never minutes.
 const REMOTE_TIMEOUT: Duration = Duration::from_secs(120);
-/// The remote stops a hung --init after this (its guard, `init_guard.sh`), in
-/// time to name it before [`REMOTE_TIMEOUT`] gives up on the whole remote.
+/// The remote stops a hung --init, --env or check after this (its guard,
+/// `setup_guard.sh`), in time to name it before [`REMOTE_TIMEOUT`] gives up.
 const INIT_TIMEOUT: Duration = Duration::from_secs(100);
 /// How long to wait for the log lines that follow a remote `error`.
 const LOG_GRACE: Duration = Duration::from_secs(3);
@@ -433,6 +433,18 @@ fn remote_failure(kind: &str) -> (Stage, &'static str, Exit) {
              system, a licence server, a prompt)",
             Exit::Timeout,
         ),
+        "env-timeout" | "setup-timeout" => (
+            Stage::Env,
+            "activate the environment by hand after `ssh HOST` (`conda activate NAME`) to see \
+             where it waits (conda on a slow shared file system)",
+            Exit::Timeout,
+        ),
+        "checks-timeout" => (
+            Stage::Jupyter,
+            "run `jupyter --version` and `nvidia-smi -L` by hand after `ssh HOST`: one of \
+             them waits",
+            Exit::Timeout,
+        ),
         "env" => (
             Stage::Env,
             "give --env a venv or conda prefix path, or a name from \
@@ -478,15 +490,20 @@ async fn log_tail(launcher: &mut Launcher) -> Vec<String> {
 mod tests {
     use super::*;
 
-    /// The remote's init guard fires well before the client gives up on the
-    /// remote, so its error (which names --init) is what the user sees.
+    /// The remote's setup guard fires well before the client gives up on the
+    /// remote, so its error (which names the step) is what the user sees.
     #[test]
-    fn a_hung_init_is_an_init_timeout() {
+    fn a_hung_step_is_a_timeout_at_its_stage() {
         assert!(INIT_TIMEOUT + Duration::from_secs(10) <= REMOTE_TIMEOUT);
-        let (stage, todo, exit) = remote_failure("init-timeout");
-        assert_eq!(stage, Stage::Init);
-        assert_eq!(exit, Exit::Timeout);
-        assert!(todo.contains("--init"), "{todo}");
+        for (kind, stage, says) in [
+            ("init-timeout", Stage::Init, "--init"),
+            ("env-timeout", Stage::Env, "conda activate"),
+            ("checks-timeout", Stage::Jupyter, "nvidia-smi"),
+        ] {
+            let (at, todo, exit) = remote_failure(kind);
+            assert_eq!((at, exit), (stage, Exit::Timeout), "{kind}");
+            assert!(todo.contains(says), "{kind}: {todo}");
+        }
         assert_eq!(remote_failure("init").2, Exit::RemoteSetup);
     }
 }

@@ -22,7 +22,7 @@ use crate::exit::{Exit, HasExit};
 use crate::token::Token;
 
 const BOOTSTRAP: &str = include_str!("remote/bootstrap.sh");
-const INIT_GUARD: &str = include_str!("remote/init_guard.sh");
+const SETUP_GUARD: &str = include_str!("remote/setup_guard.sh");
 const COMMON: &str = include_str!("remote/common.sh");
 const SETUP: &str = include_str!("remote/setup.sh");
 const LAUNCH: &str = include_str!("remote/launch.sh");
@@ -162,7 +162,7 @@ fn stage1_with(spec: &LaunchSpec, main: &str) -> String {
          TUNNEL_SLURM={slurm}\n{boot}",
         main = sh_quote(main),
         init = opt(&spec.init),
-        guard = sh_quote(INIT_GUARD),
+        guard = sh_quote(SETUP_GUARD),
         env = opt(&spec.env),
         dir = opt(&spec.dir),
         app = spec.app.subcommand(),
@@ -234,7 +234,9 @@ pub fn error_from(kind: &str, message: String, log: Vec<String>) -> RemoteError 
     match kind {
         "jupyter-missing" => RemoteError::JupyterMissing { message },
         "jupyter-exited" => RemoteError::JupyterFailed { message, log },
-        "timeout" | "init-timeout" => RemoteError::Timeout { message, log },
+        "timeout" | "init-timeout" | "setup-timeout" | "env-timeout" | "checks-timeout" => {
+            RemoteError::Timeout { message, log }
+        }
         "gone" => RemoteError::Gone { message },
         _ => RemoteError::Setup { message, log },
     }
@@ -576,18 +578,60 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         assert!(left.is_empty(), "left behind: {left:?}");
     }
 
-    /// An --init that returns in time goes on to stage 2 with its exports,
-    /// and its guard is gone: stage 2 (the same pid as the login shell) runs
-    /// past the deadline, without the guard's variables.
+    /// An --init that returns in time goes on to stage 2 with its exports and
+    /// the guard's pid, by which stage 2 (the same pid as the login shell) ends
+    /// the guard, as launch.sh does, and then runs past the deadline; the
+    /// guard's own variables are gone.
     #[cfg(unix)]
     #[test]
     fn an_init_in_time_is_not_stopped_later() {
         let tmp = tempfile::tempdir().expect("tempdir");
-        let main = "sleep 2.5; echo \"main ran $FROM_INIT\"; \
+        let main = "kill \"$TUNNEL_GUARD_PID\"; sleep 2.5; echo \"main ran $FROM_INIT\"; \
                     env | grep -c -e '^TUNNEL_GUARD=' -e '^TUNNEL_DEADLINE='; rm -rf \"$TUNNEL_RT\"";
         let text = run_bootstrap(tmp.path(), &init_spec("export FROM_INIT=yes", 1), main, "t");
         assert!(!text.contains("error"), "{text}");
         assert!(text.contains("main ran yes\n0\n"), "{text}");
+    }
+
+    /// A hung --env activation (here a `conda` that never answers) is stopped
+    /// at the same deadline and named; nothing of the launch is left.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_hung_env_activation_is_stopped_at_the_deadline() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let bin = tmp.path().join("bin");
+        std::fs::create_dir(&bin).expect("bin");
+        let marker = format!("{}.75", 400_000 + std::process::id());
+        let conda = bin.join("conda");
+        std::fs::write(&conda, format!("#!/bin/sh\nsleep {marker}\n")).expect("conda");
+        let mode = std::os::unix::fs::PermissionsExt::from_mode(0o755);
+        std::fs::set_permissions(&conda, mode).expect("chmod");
+        // --init puts it first on PATH (a login profile may reset PATH).
+        let spec = LaunchSpec {
+            env: Some("myenv".into()),
+            ..init_spec(&format!("PATH={}:$PATH; export PATH", bin.display()), 2)
+        };
+        let main = [COMMON, SETUP, "echo main ran\n"].concat();
+        let text = run_bootstrap(tmp.path(), &spec, &main, "t");
+        assert!(
+            text.contains(
+                "tunnel-remote: error env-timeout activating --env myenv did not finish within 2s"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("main ran"), "{text}");
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(processes_with(&format!("sleep {marker}")), 0);
+        let left: Vec<_> = std::fs::read_dir(tmp.path())
+            .expect("tmp")
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with("tunnel-jupyter.")
+            })
+            .collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
     }
 
     // The remote scripts run under a POSIX /bin/sh: the test runs one locally.
@@ -596,9 +640,11 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
     fn scripts_are_valid_sh() {
         let main = [COMMON, SETUP, LAUNCH, SESSION].concat();
         let attach = [COMMON, ATTACH, SESSION].concat();
+        let doctor = [COMMON, SETUP, DOCTOR].concat();
         for (name, text) in [
             ("bootstrap", BOOTSTRAP),
-            ("init guard", INIT_GUARD),
+            ("doctor", doctor.as_str()),
+            ("setup guard", SETUP_GUARD),
             ("launch", main.as_str()),
             ("attach", attach.as_str()),
         ] {

@@ -38,7 +38,8 @@ tunnel_say "runtime $TUNNEL_RT"
 if [ -n "${TUNNEL_SLURM:-}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
   printf '%s %s\n' "$$" "$TUNNEL_RT" >"${TMPDIR:-/tmp}/tunnel-slurm-$SLURM_JOB_ID.$TUNNEL_SLURM"
 fi
-# --init is bounded by TUNNEL_TIMEOUT from here (init_guard.sh).
+# --init and the setup after it are bounded by TUNNEL_TIMEOUT from here
+# (setup_guard.sh).
 TUNNEL_DEADLINE=$(($(date +%s) + TUNNEL_TIMEOUT))
 export TUNNEL_RT TUNNEL_MAIN TUNNEL_INIT TUNNEL_GUARD TUNNEL_DEADLINE TUNNEL_ENV TUNNEL_DIR TUNNEL_APP TUNNEL_PORT TUNNEL_LINGER TUNNEL_TIMEOUT TUNNEL_SLURM
 # The user's login shell sets up PATH, modules, etc. as an interactive ssh
@@ -50,4 +51,4 @@ case ${SHELL:-} in
   *) tunnel_login=/bin/sh ;;
 esac
 [ -x "$tunnel_login" ] || tunnel_login=/bin/sh
-exec "$tunnel_login" -l -c 'if [ -n "$TUNNEL_INIT" ]; then /bin/sh -c "$TUNNEL_GUARD" & tunnel_guard=$!; eval "$TUNNEL_INIT" </dev/null >>"$TUNNEL_RT/init.log" 2>&1 || TUNNEL_INIT_STATUS=$?; kill "$tunnel_guard" 2>/dev/null; export TUNNEL_INIT_STATUS; fi; unset TUNNEL_GUARD TUNNEL_DEADLINE; exec /bin/sh -c "eval \"\$TUNNEL_MAIN\""'
+exec "$tunnel_login" -l -c '/bin/sh -c "$TUNNEL_GUARD" & TUNNEL_GUARD_PID=$!; export TUNNEL_GUARD_PID; unset TUNNEL_GUARD TUNNEL_DEADLINE; if [ -n "$TUNNEL_INIT" ]; then eval "$TUNNEL_INIT" </dev/null >>"$TUNNEL_RT/init.log" 2>&1 || TUNNEL_INIT_STATUS=$?; export TUNNEL_INIT_STATUS; fi; exec /bin/sh -c "eval \"\$TUNNEL_MAIN\""'

@@ -36,10 +36,18 @@ stop_all() {
   remove_rt
 }
 
+# The setup's guard (setup_guard.sh) is done once Jupyter's start, which has a
+# deadline of its own, or the checks' report begins, or the run fails.
+end_guard() {
+  [ -n "${TUNNEL_GUARD_PID:-}" ] && kill "$TUNNEL_GUARD_PID" 2>/dev/null
+  unset TUNNEL_GUARD_PID
+}
+
 fail_log=
 fail() {
   kind=$1
   shift
+  end_guard
   say "error $kind $*"
   [ -n "$fail_log" ] && log_tail "$fail_log"
   stop_all
