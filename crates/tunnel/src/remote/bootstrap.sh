@@ -51,4 +51,4 @@ case ${SHELL:-} in
   *) tunnel_login=/bin/sh ;;
 esac
 [ -x "$tunnel_login" ] || tunnel_login=/bin/sh
-exec "$tunnel_login" -l -c '/bin/sh -c "$TUNNEL_GUARD" & TUNNEL_GUARD_PID=$!; export TUNNEL_GUARD_PID; unset TUNNEL_GUARD TUNNEL_DEADLINE; if [ -n "$TUNNEL_INIT" ]; then eval "$TUNNEL_INIT" </dev/null >>"$TUNNEL_RT/init.log" 2>&1 || TUNNEL_INIT_STATUS=$?; export TUNNEL_INIT_STATUS; fi; exec /bin/sh -c "eval \"\$TUNNEL_MAIN\""'
+exec "$tunnel_login" -l -c '/bin/sh -c "eval \"\$TUNNEL_GUARD\"" & TUNNEL_GUARD_PID=$!; export TUNNEL_GUARD_PID; unset TUNNEL_GUARD TUNNEL_DEADLINE; if [ -n "$TUNNEL_INIT" ]; then eval "$TUNNEL_INIT" </dev/null >>"$TUNNEL_RT/init.log" 2>&1 || TUNNEL_INIT_STATUS=$?; export TUNNEL_INIT_STATUS; fi; exec /bin/sh -c "eval \"\$TUNNEL_MAIN\""'

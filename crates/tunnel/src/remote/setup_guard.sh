@@ -1,5 +1,6 @@
 # tunnel setup guard: started by bootstrap.sh's login shell before --init, as
-# `sh -c "$TUNNEL_GUARD"`, so $$ is this guard and $PPID that login shell (and,
+# `sh -c 'eval "$TUNNEL_GUARD"'` (a short line in ps), so $$ is this guard and
+# $PPID that login shell (and,
 # after its exec, stage 2 with the same pid). Until Jupyter's start, which
 # launch.sh bounds itself, nothing reads the client's stop request: --init runs
 # in the login shell (its exports must reach Jupyter), then --env's activation
