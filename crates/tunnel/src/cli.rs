@@ -160,8 +160,8 @@ pub struct UpArgs {
     )]
     pub linger: u64,
 
-    /// Seconds to wait for Jupyter to answer /api/status once launched (1 to
-    /// a day).
+    /// Seconds for the remote's login shell, --init and --env together, and
+    /// again for Jupyter to start and answer /api/status (1 to a day).
     #[arg(
         long,
         value_name = "SECS",

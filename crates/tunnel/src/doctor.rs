@@ -427,6 +427,12 @@ fn remote_failure(kind: &str) -> (Stage, &'static str, Exit) {
             "run the --init command by hand after `ssh HOST` to see why it fails",
             Exit::RemoteSetup,
         ),
+        "login-timeout" => (
+            Stage::Shell,
+            "log in with `ssh HOST` and look in ~/.profile or ~/.bash_profile for a command \
+             that waits",
+            Exit::Timeout,
+        ),
         "init-timeout" => (
             Stage::Init,
             "run the --init command by hand after `ssh HOST` to see where it waits (a module \
@@ -496,6 +502,7 @@ mod tests {
     fn a_hung_step_is_a_timeout_at_its_stage() {
         assert!(INIT_TIMEOUT + Duration::from_secs(10) <= REMOTE_TIMEOUT);
         for (kind, stage, says) in [
+            ("login-timeout", Stage::Shell, "~/.profile"),
             ("init-timeout", Stage::Init, "--init"),
             ("env-timeout", Stage::Env, "conda activate"),
             ("checks-timeout", Stage::Jupyter, "nvidia-smi"),

@@ -234,9 +234,8 @@ pub fn error_from(kind: &str, message: String, log: Vec<String>) -> RemoteError 
     match kind {
         "jupyter-missing" => RemoteError::JupyterMissing { message },
         "jupyter-exited" => RemoteError::JupyterFailed { message, log },
-        "timeout" | "init-timeout" | "setup-timeout" | "env-timeout" | "checks-timeout" => {
-            RemoteError::Timeout { message, log }
-        }
+        "timeout" | "login-timeout" | "init-timeout" | "setup-timeout" | "env-timeout"
+        | "checks-timeout" => RemoteError::Timeout { message, log },
         "gone" => RemoteError::Gone { message },
         _ => RemoteError::Setup { message, log },
     }
@@ -419,7 +418,7 @@ mod tests {
     use std::io::Write;
     #[cfg(unix)]
     use std::process::{Command, Stdio};
-    #[cfg(target_os = "linux")]
+    #[cfg(unix)]
     use std::time::Duration;
 
     fn spec() -> LaunchSpec {
@@ -502,12 +501,25 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
     /// login profile set a JUPYTER_TOKEN); its stdout.
     #[cfg(unix)]
     fn run_bootstrap(tmp: &std::path::Path, spec: &LaunchSpec, main: &str, token: &str) -> String {
+        run_bootstrap_with(tmp, spec, main, token, &[])
+    }
+
+    /// [`run_bootstrap`] with more environment (a HOME whose profile hangs).
+    #[cfg(unix)]
+    fn run_bootstrap_with(
+        tmp: &std::path::Path,
+        spec: &LaunchSpec,
+        main: &str,
+        token: &str,
+        env: &[(&str, &std::path::Path)],
+    ) -> String {
         let mut child = Command::new("/bin/sh")
             .args(["-c", STDIN_SCRIPT])
             .env("TMPDIR", tmp)
             .env_remove("XDG_RUNTIME_DIR")
             .env("JUPYTER_TOKEN", "from-a-profile")
             .env("SHELL", "/bin/sh")
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -562,7 +574,8 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         let took = start.elapsed();
         assert!(
             text.contains(
-                "tunnel-remote: error init-timeout the --init command did not finish within 2s"
+                "tunnel-remote: error init-timeout the --init command was still running when \
+                 --timeout (2s, counted from the login) ran out, so the launch was stopped"
             ),
             "{text}"
         );
@@ -574,8 +587,7 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         assert!(took < Duration::from_secs(15), "{took:?}");
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(processes_with(&format!("sleep {marker}")), 0);
-        let left: Vec<_> = std::fs::read_dir(tmp.path()).expect("tmp").collect();
-        assert!(left.is_empty(), "left behind: {left:?}");
+        assert!(runtime_dirs_in(tmp.path()).is_empty());
     }
 
     /// An --init that returns in time goes on to stage 2 with its exports and
@@ -615,7 +627,8 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         let text = run_bootstrap(tmp.path(), &spec, &main, "t");
         assert!(
             text.contains(
-                "tunnel-remote: error env-timeout activating --env myenv did not finish within 2s"
+                "tunnel-remote: error env-timeout activating --env myenv was still running when \
+                 --timeout (2s, counted from the login) ran out"
             ),
             "{text}"
         );
@@ -632,6 +645,93 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
             })
             .collect();
         assert!(left.is_empty(), "left behind: {left:?}");
+    }
+
+    /// `tunnel-jupyter.*` dirs left in `tmp`.
+    #[cfg(unix)]
+    fn runtime_dirs_in(tmp: &std::path::Path) -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(tmp)
+            .expect("tmp")
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with("tunnel-jupyter.")
+            })
+            .map(|e| e.path())
+            .collect()
+    }
+
+    /// A login profile that hangs is bounded too, and named as such.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_hung_login_profile_is_stopped_and_named() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let home = tmp.path().join("home");
+        std::fs::create_dir(&home).expect("home");
+        let marker = format!("{}.125", 400_000 + std::process::id());
+        std::fs::write(home.join(".profile"), format!("sleep {marker}\n")).expect("profile");
+        let spec = LaunchSpec {
+            init: None,
+            timeout_secs: 2,
+            ..spec()
+        };
+        let text = run_bootstrap_with(tmp.path(), &spec, "echo main ran", "t", &[("HOME", &home)]);
+        assert!(
+            text.contains("tunnel-remote: error login-timeout the login shell's startup files"),
+            "{text}"
+        );
+        assert!(!text.contains("main ran"), "{text}");
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(processes_with(&format!("sleep {marker}")), 0);
+        assert!(runtime_dirs_in(tmp.path()).is_empty());
+    }
+
+    /// The guard is none of the login shell's jobs: an --init that waits for
+    /// its own background job (a bare `wait`) returns at once.
+    #[cfg(unix)]
+    #[test]
+    fn a_wait_in_init_does_not_wait_for_the_guard() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let main = "kill \"$TUNNEL_GUARD_PID\"; echo main ran; rm -rf \"$TUNNEL_RT\"";
+        let start = std::time::Instant::now();
+        let text = run_bootstrap(tmp.path(), &init_spec("sleep 0.2 & wait", 30), main, "t");
+        assert!(text.contains("main ran"), "{text}");
+        assert!(start.elapsed().as_secs() < 10, "{:?}", start.elapsed());
+    }
+
+    /// The hand-off is claimed once: where stage 2 has claimed it (end_guard)
+    /// and the guard missed its TERM, the guard does nothing at the deadline;
+    /// where the guard has claimed it, end_guard refuses, and stage 2 stops.
+    #[cfg(unix)]
+    #[test]
+    fn the_guard_and_end_guard_claim_the_hand_off_once() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let main =
+            "mkdir \"$TUNNEL_RT/guard.done\"; sleep 2.5; echo survived; rm -rf \"$TUNNEL_RT\"";
+        let text = run_bootstrap(tmp.path(), &init_spec("true", 1), main, "t");
+        assert!(text.contains("survived"), "{text}");
+        assert!(!text.contains("error"), "{text}");
+
+        let main = [
+            COMMON,
+            "mkdir \"$rt/guard.done\"; end_guard || echo refused; remove_rt\n",
+        ]
+        .concat();
+        let text = run_bootstrap(tmp.path(), &init_spec("true", 30), &main, "t");
+        assert!(text.contains("refused"), "{text}");
+    }
+
+    /// An --init that ends the shell (`exit`) ends the launch; the guard
+    /// removes the runtime dir nobody else will.
+    #[cfg(unix)]
+    #[test]
+    fn an_init_that_exits_leaves_no_runtime_dir() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let text = run_bootstrap(tmp.path(), &init_spec("exit 3", 30), "echo main ran", "t");
+        assert!(!text.contains("main ran"), "{text}");
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(runtime_dirs_in(tmp.path()).is_empty(), "{text}");
     }
 
     // The remote scripts run under a POSIX /bin/sh: the test runs one locally.

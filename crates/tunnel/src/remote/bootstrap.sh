@@ -38,10 +38,7 @@ tunnel_say "runtime $TUNNEL_RT"
 if [ -n "${TUNNEL_SLURM:-}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
   printf '%s %s\n' "$$" "$TUNNEL_RT" >"${TMPDIR:-/tmp}/tunnel-slurm-$SLURM_JOB_ID.$TUNNEL_SLURM"
 fi
-# --init and the setup after it are bounded by TUNNEL_TIMEOUT from here
-# (setup_guard.sh).
-TUNNEL_DEADLINE=$(($(date +%s) + TUNNEL_TIMEOUT))
-export TUNNEL_RT TUNNEL_MAIN TUNNEL_INIT TUNNEL_GUARD TUNNEL_DEADLINE TUNNEL_ENV TUNNEL_DIR TUNNEL_APP TUNNEL_PORT TUNNEL_LINGER TUNNEL_TIMEOUT TUNNEL_SLURM
+export TUNNEL_RT TUNNEL_MAIN TUNNEL_INIT TUNNEL_ENV TUNNEL_DIR TUNNEL_APP TUNNEL_PORT TUNNEL_LINGER TUNNEL_TIMEOUT TUNNEL_SLURM
 # The user's login shell sets up PATH, modules, etc. as an interactive ssh
 # login would; --init runs there (so shell functions such as `module` exist),
 # then the rest runs in /bin/sh, whose behaviour we know. csh/fish users get
@@ -51,4 +48,13 @@ case ${SHELL:-} in
   *) tunnel_login=/bin/sh ;;
 esac
 [ -x "$tunnel_login" ] || tunnel_login=/bin/sh
-exec "$tunnel_login" -l -c '/bin/sh -c "eval \"\$TUNNEL_GUARD\"" & TUNNEL_GUARD_PID=$!; export TUNNEL_GUARD_PID; unset TUNNEL_GUARD TUNNEL_DEADLINE; if [ -n "$TUNNEL_INIT" ]; then eval "$TUNNEL_INIT" </dev/null >>"$TUNNEL_RT/init.log" 2>&1 || TUNNEL_INIT_STATUS=$?; export TUNNEL_INIT_STATUS; fi; exec /bin/sh -c "eval \"\$TUNNEL_MAIN\""'
+# The login, --init and the setup after it are bounded by TUNNEL_TIMEOUT from
+# here (setup_guard.sh). Started from this shell, the guard is a child of the
+# pid the login shell takes over, but none of its jobs.
+printf 'login\n' >"$TUNNEL_RT/stage"
+TUNNEL_GUARD=$TUNNEL_GUARD TUNNEL_DEADLINE=$(($(date +%s) + TUNNEL_TIMEOUT)) \
+  /bin/sh -c 'eval "$TUNNEL_GUARD"' &
+TUNNEL_GUARD_PID=$!
+export TUNNEL_GUARD_PID
+unset TUNNEL_GUARD
+exec "$tunnel_login" -l -c 'if [ -n "$TUNNEL_INIT" ]; then echo init >"$TUNNEL_RT/stage"; eval "$TUNNEL_INIT" </dev/null >>"$TUNNEL_RT/init.log" 2>&1 || TUNNEL_INIT_STATUS=$?; export TUNNEL_INIT_STATUS; fi; exec /bin/sh -c "eval \"\$TUNNEL_MAIN\""'

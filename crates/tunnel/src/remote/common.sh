@@ -30,16 +30,25 @@ stop_all() {
     while [ ! -s "$rt/jupyter.exit" ] && [ "$i" -lt 100 ]; do nap 0.1; i=$((i + 1)); done
     [ -s "$rt/jupyter.exit" ] || kill -KILL "$jp" 2>/dev/null
   fi
-  ps -eo pid=,args= 2>/dev/null | while read -r p a; do
-    case $a in *"$rt"/*) [ "$p" != "$$" ] && kill -KILL "$p" 2>/dev/null ;; esac
-  done
+  # Only a runtime dir of ours: an empty $rt would match every command line.
+  case $rt in
+    */tunnel-jupyter.*)
+      ps -eo pid=,args= 2>/dev/null | while read -r p a; do
+        case $a in *"$rt"/*) [ "$p" != "$$" ] && kill -KILL "$p" 2>/dev/null ;; esac
+      done
+      ;;
+  esac
   remove_rt
 }
 
 # The setup's guard (setup_guard.sh) is done once Jupyter's start, which has a
-# deadline of its own, or the checks' report begins, or the run fails.
+# deadline of its own, begins, or doctor's checks end, or the run fails. Fails
+# where the guard has claimed the hand-off first: it has named a hang and is
+# stopping this shell, which must not go on.
 end_guard() {
-  [ -n "${TUNNEL_GUARD_PID:-}" ] && kill "$TUNNEL_GUARD_PID" 2>/dev/null
+  [ -n "${TUNNEL_GUARD_PID:-}" ] || return 0
+  mkdir "$rt/guard.done" 2>/dev/null || return 1
+  kill "$TUNNEL_GUARD_PID" 2>/dev/null
   unset TUNNEL_GUARD_PID
 }
 
@@ -47,7 +56,7 @@ fail_log=
 fail() {
   kind=$1
   shift
-  end_guard
+  end_guard || exit 1
   say "error $kind $*"
   [ -n "$fail_log" ] && log_tail "$fail_log"
   stop_all

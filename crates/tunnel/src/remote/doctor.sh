@@ -1,7 +1,7 @@
 # tunnel doctor: stage 2 of a check-only run, after common.sh and setup.sh.
 # Starts nothing: reports where jupyter is, its version and the GPUs, then
 # removes the runtime directory bootstrap.sh made.
-printf 'checks\n' >"$rt/stage" 2>/dev/null
+{ printf 'checks\n' >"$rt/stage"; } 2>/dev/null
 say "check shell ${SHELL:-/bin/sh}"
 if ! jp=$(command -v jupyter 2>/dev/null); then
   fail jupyter-missing "jupyter not found on the remote PATH ($PATH); install it (pip install jupyterlab) or select its environment with --env"
@@ -29,6 +29,6 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 else
   say "check gpu-absent"
 fi
-end_guard
+end_guard || exit 1
 remove_rt
 say "check done"

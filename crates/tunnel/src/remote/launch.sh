@@ -1,6 +1,6 @@
 # tunnel launcher: stage 2, runs in /bin/sh with the login environment,
 # after common.sh and setup.sh; session.sh follows once Jupyter is ready.
-end_guard
+end_guard || exit 1
 case $TUNNEL_APP in
   lab) pkg=jupyterlab ;;
   notebook) pkg=notebook ;;

@@ -3,7 +3,7 @@
 # after common.sh, with the login environment; says `env ...`, or fails
 # with `error init|env ...`.
 trap 'stop_all; exit 0' HUP TERM INT
-printf 'setup\n' >"$rt/stage" 2>/dev/null
+{ printf 'setup\n' >"$rt/stage"; } 2>/dev/null
 
 if [ -n "${TUNNEL_INIT_STATUS:-}" ]; then
   fail_log=$rt/init.log
@@ -51,7 +51,7 @@ conda_activate() {
 }
 
 if [ -n "$TUNNEL_ENV" ]; then
-  printf 'env\n' >"$rt/stage" 2>/dev/null
+  { printf 'env\n' >"$rt/stage"; } 2>/dev/null
   e=$(expand_home "$TUNNEL_ENV")
   if [ -d "$e/conda-meta" ]; then
     if tool=$(find_conda); then

@@ -1,38 +1,54 @@
-# tunnel setup guard: started by bootstrap.sh's login shell before --init, as
-# `sh -c 'eval "$TUNNEL_GUARD"'` (a short line in ps), so $$ is this guard and
-# $PPID that login shell (and,
-# after its exec, stage 2 with the same pid). Until Jupyter's start, which
-# launch.sh bounds itself, nothing reads the client's stop request: --init runs
-# in the login shell (its exports must reach Jupyter), then --env's activation
-# and doctor's checks. Without a bound, one that hangs (a module system waiting
-# on a licence server, conda on a stalled file system, a wedged nvidia-smi)
-# would outlive `tunnel up` for good. At TUNNEL_DEADLINE the guard names the
-# step that hung ($TUNNEL_RT/stage, written as each begins), ends the shell and
-# everything it started, and removes the runtime directory. launch.sh, doctor.sh
-# and `fail` end the guard (end_guard in common.sh).
+# tunnel setup guard: started by bootstrap.sh just before it execs the login
+# shell, as `sh -c 'eval "$TUNNEL_GUARD"'` (a short line in ps). So $$ is this
+# guard, and $PPID the shell that runs the login, --init and stage 2 in turn
+# (exec keeps its pid); the guard is not one of that shell's jobs, so a `wait`
+# in --init does not wait for it. Until Jupyter's start, which launch.sh bounds
+# itself, nothing reads the client's stop request: a login profile, --init,
+# the --env activation or doctor's checks that hang (a module system waiting on
+# a licence server, conda on a stalled file system, a wedged nvidia-smi) would
+# outlive `tunnel up` for good. At TUNNEL_DEADLINE the guard names the step
+# ($TUNNEL_RT/stage, written as each begins), ends the shell and what runs under
+# it, and removes the runtime directory. end_guard (common.sh) ends the guard.
+# Either side claims the hand-off by creating $TUNNEL_RT/guard.done: only one
+# of them acts.
 trap '' PIPE
 shell=$PPID
+claim() { mkdir "$TUNNEL_RT/guard.done" 2>/dev/null; }
 # Gone, or a zombie its parent has not reaped yet: this guard holds the
 # channel's stdout, so a parent that reads to EOF before it reaps must not wait
 # for the deadline.
 alive() {
   kill -0 "$shell" 2>/dev/null || return 1
-  case $(ps -o stat= -p "$shell" 2>/dev/null) in Z*) return 1 ;; esac
+  state=
+  if [ -r "/proc/$shell/stat" ]; then
+    { read -r state <"/proc/$shell/stat"; } 2>/dev/null
+    state=${state##*) }
+  else
+    state=$(ps -eo pid=,stat= 2>/dev/null | awk -v p="$shell" '$1 == p { print $2 }')
+  fi
+  case $state in Z*) return 1 ;; esac
 }
 while [ "$(date +%s)" -lt "$TUNNEL_DEADLINE" ]; do
   sleep 1 </dev/null >/dev/null 2>&1
-  alive || exit 0
+  if ! alive; then
+    # Ended without end_guard (an --init that ran `exit`): nobody else will
+    # remove the runtime directory.
+    claim && case $TUNNEL_RT in */tunnel-jupyter.*) rm -rf "$TUNNEL_RT" ;; esac
+    exit 0
+  fi
 done
-stage=init
-read -r stage <"$TUNNEL_RT/stage" 2>/dev/null
+claim || exit 0
+stage=
+{ read -r stage <"$TUNNEL_RT/stage"; } 2>/dev/null
 case $stage in
+  init) kind=init-timeout what="the --init command" ;;
   env) kind=env-timeout what="activating --env $TUNNEL_ENV" ;;
   checks) kind=checks-timeout what="the checks (jupyter --version, nvidia-smi -L)" ;;
   setup) kind=setup-timeout what="the remote setup after --init" ;;
-  *) kind=init-timeout what="the --init command" ;;
+  *) kind=login-timeout what="the login shell's startup files (~/.profile, ~/.bash_profile)" ;;
 esac
-# The shell's descendants (but not this guard's), found before the shell dies
-# and they lose their parent.
+# The shell and everything under it, listed before the shell dies and its
+# children lose their parent (not this guard, nor what it runs).
 below=$(ps -eo pid=,ppid= 2>/dev/null | awk -v shell="$shell" -v me="$$" '
   { up[$1] = $2 }
   END {
@@ -42,7 +58,7 @@ below=$(ps -eo pid=,ppid= 2>/dev/null | awk -v shell="$shell" -v me="$$" '
       if (q == shell) print p
     }
   }')
-printf 'tunnel-remote: error %s %s\n' "$kind" "$what did not finish within ${TUNNEL_TIMEOUT}s, so it and what it started were stopped; run it by hand in an ssh session to see where it waits (one that is only slow needs a larger tunnel up --timeout)"
+printf 'tunnel-remote: error %s %s\n' "$kind" "$what was still running when --timeout (${TUNNEL_TIMEOUT}s, counted from the login) ran out, so the launch was stopped; run it by hand in an ssh session to see where it waits (one that is only slow needs a larger tunnel up --timeout)"
 tail -n 40 "$TUNNEL_RT/init.log" 2>/dev/null | while IFS= read -r l; do
   printf 'tunnel-remote: log %s\n' "$l"
 done
@@ -50,6 +66,6 @@ done
 kill -TERM "$shell" $below 2>/dev/null
 sleep 1 </dev/null >/dev/null 2>&1
 # shellcheck disable=SC2086
-kill -KILL $below 2>/dev/null
+kill -KILL "$shell" $below 2>/dev/null
 case $TUNNEL_RT in */tunnel-jupyter.*) rm -rf "$TUNNEL_RT" ;; esac
 exit 0
