@@ -734,6 +734,28 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         assert!(runtime_dirs_in(tmp.path()).is_empty(), "{text}");
     }
 
+    /// A guard whose shell is not its parent (the shell died before the guard
+    /// started, and the pid may belong to anyone) never kills: past its
+    /// deadline it only removes the runtime dir, which nobody else will.
+    #[cfg(unix)]
+    #[test]
+    fn an_orphaned_guard_never_acts() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let rt = tmp.path().join("tunnel-jupyter.test");
+        std::fs::create_dir(&rt).expect("rt");
+        let out = Command::new("/bin/sh")
+            .args(["-c", SETUP_GUARD])
+            .env("TUNNEL_RT", &rt)
+            .env("TUNNEL_SHELL_PID", "1")
+            .env("TUNNEL_DEADLINE", "0")
+            .env("TUNNEL_TIMEOUT", "1")
+            .output()
+            .expect("sh runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(!text.contains("error"), "{text}");
+        assert!(!rt.exists());
+    }
+
     // The remote scripts run under a POSIX /bin/sh: the test runs one locally.
     #[cfg(unix)]
     #[test]

@@ -52,7 +52,7 @@ esac
 # here (setup_guard.sh). Started from this shell, the guard is a child of the
 # pid the login shell takes over, but none of its jobs.
 printf 'login\n' >"$TUNNEL_RT/stage"
-TUNNEL_GUARD=$TUNNEL_GUARD TUNNEL_DEADLINE=$(($(date +%s) + TUNNEL_TIMEOUT)) \
+TUNNEL_GUARD=$TUNNEL_GUARD TUNNEL_SHELL_PID=$$ TUNNEL_DEADLINE=$(($(date +%s) + TUNNEL_TIMEOUT)) \
   /bin/sh -c 'eval "$TUNNEL_GUARD"' &
 TUNNEL_GUARD_PID=$!
 export TUNNEL_GUARD_PID

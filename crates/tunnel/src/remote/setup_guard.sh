@@ -1,8 +1,8 @@
 # tunnel setup guard: started by bootstrap.sh just before it execs the login
 # shell, as `sh -c 'eval "$TUNNEL_GUARD"'` (a short line in ps). So $$ is this
-# guard, and $PPID the shell that runs the login, --init and stage 2 in turn
-# (exec keeps its pid); the guard is not one of that shell's jobs, so a `wait`
-# in --init does not wait for it. Until Jupyter's start, which launch.sh bounds
+# guard, and TUNNEL_SHELL_PID its parent: the shell that runs the login, --init
+# and stage 2 in turn (exec keeps its pid); the guard is not one of that shell's
+# jobs, so a `wait` in --init does not wait for it. Until Jupyter's start, which launch.sh bounds
 # itself, nothing reads the client's stop request: a login profile, --init,
 # the --env activation or doctor's checks that hang (a module system waiting on
 # a licence server, conda on a stalled file system, a wedged nvidia-smi) would
@@ -12,30 +12,45 @@
 # Either side claims the hand-off by creating $TUNNEL_RT/guard.done: only one
 # of them acts.
 trap '' PIPE
-shell=$PPID
+shell=$TUNNEL_SHELL_PID
 claim() { mkdir "$TUNNEL_RT/guard.done" 2>/dev/null; }
-# Gone, or a zombie its parent has not reaped yet: this guard holds the
-# channel's stdout, so a parent that reads to EOF before it reaps must not wait
-# for the deadline.
-alive() {
-  kill -0 "$shell" 2>/dev/null || return 1
-  state=
-  if [ -r "/proc/$shell/stat" ]; then
-    { read -r state <"/proc/$shell/stat"; } 2>/dev/null
-    state=${state##*) }
+# The state and parent pid of process $1 ("S 123"), from /proc or ps.
+state_of() {
+  if [ -r "/proc/$1/stat" ]; then
+    s=
+    { read -r s <"/proc/$1/stat"; } 2>/dev/null
+    s=${s##*) }
+    printf '%s\n' "${s%"${s#* * }"}"
   else
-    state=$(ps -eo pid=,stat= 2>/dev/null | awk -v p="$shell" '$1 == p { print $2 }')
+    ps -eo pid=,stat=,ppid= 2>/dev/null | awk -v p="$1" '$1 == p { print $2, $3 }'
   fi
-  case $state in Z*) return 1 ;; esac
 }
-while [ "$(date +%s)" -lt "$TUNNEL_DEADLINE" ]; do
-  sleep 1 </dev/null >/dev/null 2>&1
+# The shell is alive while this guard is still its child (a shell that died
+# makes the guard an orphan, and its pid may then go to anyone: never act on
+# it) and it is not a zombie (this guard holds the channel's stdout, so a
+# parent that reads to EOF before it reaps must not wait for the deadline).
+# Where neither /proc nor ps can tell the parent, the pid alone has to do.
+alive() {
+  # shellcheck disable=SC2046 # two words: state and parent
+  set -- $(state_of "$$")
+  if [ -n "${2:-}" ]; then
+    [ "$2" = "$shell" ] || return 1
+  else
+    kill -0 "$shell" 2>/dev/null || return 1
+  fi
+  # shellcheck disable=SC2046
+  set -- $(state_of "$shell")
+  case ${1:-} in Z*) return 1 ;; esac
+}
+while :; do
   if ! alive; then
     # Ended without end_guard (an --init that ran `exit`): nobody else will
     # remove the runtime directory.
     claim && case $TUNNEL_RT in */tunnel-jupyter.*) rm -rf "$TUNNEL_RT" ;; esac
     exit 0
   fi
+  [ "$(date +%s)" -lt "$TUNNEL_DEADLINE" ] || break
+  sleep 1 </dev/null >/dev/null 2>&1
 done
 claim || exit 0
 stage=
