@@ -53,6 +53,11 @@ while :; do
   sleep 1 </dev/null >/dev/null 2>&1
 done
 claim || exit 0
+# The last look before killing: the shell may have gone since the loop's.
+if ! alive; then
+  case $TUNNEL_RT in */tunnel-jupyter.*) rm -rf "$TUNNEL_RT" ;; esac
+  exit 0
+fi
 stage=
 { read -r stage <"$TUNNEL_RT/stage"; } 2>/dev/null
 case $stage in
