@@ -625,26 +625,20 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
         };
         let main = [COMMON, SETUP, "echo main ran\n"].concat();
         let text = run_bootstrap(tmp.path(), &spec, &main, "t");
-        assert!(
-            text.contains(
-                "tunnel-remote: error env-timeout activating --env myenv was still running when \
-                 --timeout (2s, counted from the login) ran out"
-            ),
-            "{text}"
-        );
+        let says = "tunnel-remote: error env-timeout activating --env myenv was still running \
+                    when --timeout (2s, counted from the login) ran out";
+        assert_stopped_and_clean(tmp.path(), &text, says, &marker);
+    }
+
+    /// A launch the guard stopped: named with `says`, stage 2 never ran, and
+    /// neither a process of `sleep {marker}` nor a runtime dir is left.
+    #[cfg(target_os = "linux")]
+    fn assert_stopped_and_clean(tmp: &std::path::Path, text: &str, says: &str, marker: &str) {
+        assert!(text.contains(says), "{text}");
         assert!(!text.contains("main ran"), "{text}");
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(processes_with(&format!("sleep {marker}")), 0);
-        let left: Vec<_> = std::fs::read_dir(tmp.path())
-            .expect("tmp")
-            .filter_map(|e| e.ok())
-            .filter(|e| {
-                e.file_name()
-                    .to_string_lossy()
-                    .starts_with("tunnel-jupyter.")
-            })
-            .collect();
-        assert!(left.is_empty(), "left behind: {left:?}");
+        assert!(runtime_dirs_in(tmp).is_empty());
     }
 
     /// `tunnel-jupyter.*` dirs left in `tmp`.
@@ -677,14 +671,8 @@ env | grep -c -F -f "$TUNNEL_RT/token"; echo "${JUPYTER_TOKEN-unset}"; rm -rf "$
             ..spec()
         };
         let text = run_bootstrap_with(tmp.path(), &spec, "echo main ran", "t", &[("HOME", &home)]);
-        assert!(
-            text.contains("tunnel-remote: error login-timeout the login shell's startup files"),
-            "{text}"
-        );
-        assert!(!text.contains("main ran"), "{text}");
-        std::thread::sleep(Duration::from_millis(300));
-        assert_eq!(processes_with(&format!("sleep {marker}")), 0);
-        assert!(runtime_dirs_in(tmp.path()).is_empty());
+        let says = "tunnel-remote: error login-timeout the login shell's startup files";
+        assert_stopped_and_clean(tmp.path(), &text, says, &marker);
     }
 
     /// The guard is none of the login shell's jobs: an --init that waits for
