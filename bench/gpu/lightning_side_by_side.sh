@@ -6,7 +6,8 @@
 # $OUT/ours/maxbatch_truth.json and $OUT/lf/lightning_finder.json; then, here,
 #   python3 bench/gpu/truth_report.py ours.json --lightning lf.json > bench/results/X.md
 # Needs, in the repo: .device/gpukernel and .device/libgpuprobe_torch.so (stripped release
-# builds of this tree), .whl/*.whl and .whl/lightning/*.whl (bench/gpu/README.md). Run as
+# builds of this tree), .whl/*.whl, .whl/lightning/*.whl and .whl/numpy/*.whl (bench/gpu/README.md).
+# Run as
 #   run(command="bash bench/gpu/lightning_side_by_side.sh", carry=[".device", ".whl"])
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,6 +16,8 @@ ROWS="resnet18_fp32 vit_b16_fp32 vit_b16_bf16 gpt_fp32 gpt_fp16_scaler lstm_fp32
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$@"; }
 pip_target /tmp/site .whl/*.whl || exit 1
 pip_target /tmp/lt .whl/lightning/*.whl || exit 1
+# torchmetrics needs numpy; the device's Python may lack it (.whl/numpy/, only then).
+python3 -c 'import numpy' 2>/dev/null || pip_target /tmp/lt .whl/numpy/*.whl || exit 1
 export PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
 mkdir -p "$OUT/ours" "$OUT/lf"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
