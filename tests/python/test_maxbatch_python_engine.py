@@ -1781,6 +1781,109 @@ def test_a_frozen_teacher_the_users_step_updates_in_place_is_put_back(trials):
     assert all(torch.equal(a, b) for a, b in zip(before, teacher.parameters()))
 
 
+def test_a_frozen_base_the_users_step_leaves_alone_is_not_copied_back(trials, monkeypatch):
+    """`--step FN` over LoRA adapters: the frozen base is kept once (it could be written) and,
+    unchanged by the trials, never copied back; one the step writes through `.data` (which
+    no version counter sees) is put back each time. (The GPU's path, run on the CPU.)"""
+    import torch
+
+    monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda", "cpu"))
+
+    model = _Adapted()
+    base = [t.clone() for t in model.base.parameters()]
+    opt = torch.optim.AdamW([*model.down.parameters(), *model.up.parameters()])
+
+    def step(batch):
+        opt.zero_grad()
+        model(torch.randn(batch, 16)).square().mean().backward()
+        opt.step()
+
+    ns = {"model": model, "opt": opt, "step": step}
+    described = call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})["describe"]
+    assert described["watched_bytes"] == (16 * 3 + 3) * 4, described
+    assert described["fixed_bytes"] == 0, described
+    for batch in (4, 8):
+        assert call(trials, ns, "trial", batch=batch, steps=3)["result"] == "ran"
+    assert trials._session.snapshot.watched.put_back == 0
+    call(trials, ns, "close")
+    assert all(torch.equal(a, b) for a, b in zip(base, model.base.parameters()))
+
+    def drifting(batch):
+        step(batch)
+        model.base.weight.data.add_(1e-3)  # an EMA written the old way: no version bump
+
+    ns["step"] = drifting
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    for batch in (4, 8):
+        assert call(trials, ns, "trial", batch=batch, steps=2)["result"] == "ran"
+        assert torch.equal(model.base.weight, base[0])
+    assert trials._session.snapshot.watched.put_back == 2  # the weight, not the bias
+    call(trials, ns, "close")
+    assert all(torch.equal(a, b) for a, b in zip(base, model.base.parameters()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "uint8",
+                                   "bool", "int64", "complex64"])
+def test_a_fingerprint_changes_with_any_one_element(trials, dtype, monkeypatch):
+    """Over several chunks (shrunk here to 64 elements), a change of one element anywhere,
+    by its last bit, and two elements swapped, each change the fingerprint."""
+    import torch
+
+    monkeypatch.setattr(trials, "_PRINT_CHUNK", 64)
+    monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda", "cpu"))
+    kind = getattr(torch, dtype)
+    t = (torch.randn(3, 70) * 100).to(kind) if kind is not torch.bool else \
+        torch.rand(3, 70) > 0.5
+    words = t.view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                             8: torch.int64}[t.element_size()])
+    before = int(trials._fingerprint(torch, t))
+    assert int(trials._fingerprint(torch, t.clone())) == before
+    for i in (0, 63, 64, 150, words.numel() - 1):
+        changed = t.clone()
+        w = changed.view(-1).view(words.dtype)
+        w[i] ^= 1
+        assert int(trials._fingerprint(torch, changed)) != before, i
+    swapped = t.clone()
+    w = swapped.view(-1).view(words.dtype)
+    i, j = next((i, j) for i in range(words.numel()) for j in range(i + 1, words.numel())
+                if words[i] != words[j])
+    w[i], w[j] = words[j].clone(), words[i].clone()
+    assert int(trials._fingerprint(torch, swapped)) != before
+    assert trials._fingerprint(torch, t.t()) is None  # not contiguous: always put back
+
+
+def test_a_watched_weight_without_a_fingerprint_is_put_back_every_time(trials, monkeypatch):
+    """Where a fingerprint cannot be taken (here a transposed weight's non-contiguous
+    layout; off a GPU, any), the weight is put back after every trial, as any other."""
+    import torch
+
+    monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda", "cpu"))
+
+    model = _Adapted()
+    model.base.weight = torch.nn.Parameter(model.base.weight.detach().t().contiguous().t(),
+                                           requires_grad=False)
+    base = model.base.weight.clone()
+    opt = torch.optim.SGD(model.up.parameters(), lr=0.1)
+
+    def step(batch):
+        opt.zero_grad()
+        model(torch.randn(batch, 16)).square().mean().backward()
+        opt.step()
+
+    ns = {"model": model, "opt": opt, "step": step}
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    assert call(trials, ns, "trial", batch=4, steps=2)["result"] == "ran"
+    assert trials._session.snapshot.watched.put_back == 1
+    call(trials, ns, "close")
+    assert torch.equal(model.base.weight, base)
+    monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda",))  # as shipped, on the CPU
+    model.base.weight = torch.nn.Parameter(base.clone(), requires_grad=False)
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    assert call(trials, ns, "trial", batch=4, steps=2)["result"] == "ran"
+    assert trials._session.snapshot.watched.put_back == 2  # the weight and the bias
+    call(trials, ns, "close")
+
+
 def test_the_standard_step_drives_an_optimizer_that_takes_a_closure(trials):
     """`%maxbatch MODULE` with the notebook's LBFGS steps it as LBFGS loops do, through a
     closure, says so with the size of its full history, and puts the history back."""

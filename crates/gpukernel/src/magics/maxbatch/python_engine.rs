@@ -73,6 +73,10 @@ struct Described {
     /// Weights the step cannot write (frozen and in no optimizer), left uncopied.
     #[serde(default)]
     fixed_bytes: u64,
+    /// Frozen weights in no optimizer that a step function may still write: kept, and put
+    /// back only where a trial changed them (part of `snapshot_bytes`).
+    #[serde(default)]
+    watched_bytes: u64,
     optimizer: String,
     parameters: Option<u64>,
     #[serde(default)]
@@ -1315,6 +1319,13 @@ fn notes(prepared: &Prepared) -> Vec<String> {
             human_bytes(d.fixed_bytes)
         ));
     }
+    if d.watched_bytes > 0 {
+        notes.push(format!(
+            "{} of that are frozen weights in no optimizer, which your step could still \
+             write: put back only after a trial that changed them",
+            human_bytes(d.watched_bytes)
+        ));
+    }
     if let Some(warning) = &d.batch_warning {
         notes.push(warning.clone());
     }
@@ -1500,6 +1511,24 @@ mod tests {
         );
         let none = notes(&prepared(r#"["cuda:0"]"#, 0));
         assert!(!none.iter().any(|n| n.contains("not copied")), "{none:?}");
+    }
+
+    #[test]
+    fn frozen_weights_a_step_function_could_write_are_told_as_put_back_when_changed() {
+        let mut lora = prepared(r#"["cuda:0"]"#, 0);
+        lora.describe.snapshot_bytes = 14 << 30;
+        lora.describe.watched_bytes = 13 << 30;
+        let told = notes(&lora);
+        assert!(
+            told.contains(
+                &"13.0 GiB of that are frozen weights in no optimizer, which your step could \
+                  still write: put back only after a trial that changed them"
+                    .to_string()
+            ),
+            "{told:?}"
+        );
+        let none = notes(&prepared(r#"["cuda:0"]"#, 0));
+        assert!(!none.iter().any(|n| n.contains("frozen weights")), "{none:?}");
     }
 
     #[test]
