@@ -1528,7 +1528,10 @@ mod tests {
             "{told:?}"
         );
         let none = notes(&prepared(r#"["cuda:0"]"#, 0));
-        assert!(!none.iter().any(|n| n.contains("frozen weights")), "{none:?}");
+        assert!(
+            !none.iter().any(|n| n.contains("frozen weights")),
+            "{none:?}"
+        );
     }
 
     #[test]
