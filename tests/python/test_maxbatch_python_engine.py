@@ -355,6 +355,19 @@ def pinn_step(batch):
     return pinn_opt.step(closure)
 for _ in range(3):
     pinn_step(16)
+
+# LoRA-style adapters over a frozen base, whose step also drifts the base through `.data`.
+lora = torch.nn.ModuleDict({"base": torch.nn.Linear(64, 64).requires_grad_(False),
+                            "down": torch.nn.Linear(64, 4, bias=False),
+                            "up": torch.nn.Linear(4, 64, bias=False)})
+lora_opt = torch.optim.AdamW([*lora["down"].parameters(), *lora["up"].parameters()])
+def lora_step(batch):
+    x = torch.randn(batch, 64)
+    lora_opt.zero_grad()
+    (lora["base"](x) + lora["up"](lora["down"](x))).square().mean().backward()
+    lora_opt.step()
+    lora["base"].weight.data.mul_(0.5)
+lora_base = [t.clone() for t in lora["base"].parameters()]
 names_before = sorted(k for k in get_ipython().user_ns if not k.startswith("_"))
 before = snapshot()
 """
@@ -429,6 +442,20 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
     assert reply["content"]["status"] == "ok", reply["content"]
     assert "such as a list, a counter or an iterator it draws from, are not put back" in \
         stream_text(outputs), stream_text(outputs)
+    assert_untouched(kc)
+
+
+def test_a_frozen_base_a_step_function_writes_comes_back_through_the_kernel(notebook):
+    """A `--step` over LoRA-style adapters that also drifts the frozen base through `.data`
+    (no version counter sees it): the base no optimizer holds is watched rather than copied
+    back after every trial, and comes back bit for bit. (The report's note on it is shown
+    on a GPU only: `python_engine.rs`'s test.)"""
+    _, kc = notebook
+    text = report_of(kc, "%maxbatch --step lora_step")
+    assert "one step of batch 2 ran on the cpu" in text, text
+    _, outputs = execute(kc, "print(all(torch.equal(a, b) for a, b in "
+                         "zip(lora_base, lora['base'].parameters())))", timeout=60)
+    assert stream_text(outputs).strip() == "True", outputs
     assert_untouched(kc)
 
 
