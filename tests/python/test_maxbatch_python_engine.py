@@ -447,9 +447,10 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
 
 def test_a_frozen_base_a_step_function_writes_comes_back_through_the_kernel(notebook):
     """A `--step` over LoRA-style adapters that also drifts the frozen base through `.data`
-    (no version counter sees it): the base no optimizer holds is watched rather than copied
-    back after every trial, and comes back bit for bit. (The report's note on it is shown
-    on a GPU only: `python_engine.rs`'s test.)"""
+    (no version counter sees it) comes back bit for bit through the kernel. On the CPU the
+    watched base has no fingerprint and is put back every time: this checks the wiring;
+    the fingerprints' own path is checked by the trials-level tests, and the report's note
+    (shown on a GPU only) by `python_engine.rs`'s."""
     _, kc = notebook
     text = report_of(kc, "%maxbatch --step lora_step")
     assert "one step of batch 2 ran on the cpu" in text, text
@@ -1850,47 +1851,144 @@ def test_a_frozen_base_the_users_step_leaves_alone_is_not_copied_back(trials, mo
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "uint8",
-                                   "bool", "int64", "complex64"])
+                                   "bool", "int64", "complex64", "float8_e4m3fn"])
 def test_a_fingerprint_changes_with_any_one_element(trials, dtype, monkeypatch):
-    """Over several chunks (shrunk here to 64 elements), a change of one element anywhere,
-    by its last bit, and two elements swapped, each change the fingerprint."""
+    """Over several chunks (shrunk here to 64 words), a change of one element anywhere by
+    its last bit, its sign flipped, two elements swapped within and across chunks, and two
+    sign flips together (which cancel under weights that do not depend on the word read:
+    2^63 times any odd weight is 2^63 modulo 2^64), each change the fingerprint; a copy in
+    another memory layout of the same values in the same order does not."""
     import torch
 
     monkeypatch.setattr(trials, "_PRINT_CHUNK", 64)
     monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda", "cpu"))
     kind = getattr(torch, dtype)
-    t = (torch.randn(3, 70) * 100).to(kind) if kind is not torch.bool else \
-        torch.rand(3, 70) > 0.5
-    words = t.view(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
-                             8: torch.int64}[t.element_size()])
-    before = int(trials._fingerprint(torch, t))
-    assert int(trials._fingerprint(torch, t.clone())) == before
-    for i in (0, 63, 64, 150, words.numel() - 1):
-        changed = t.clone()
-        w = changed.view(-1).view(words.dtype)
-        w[i] ^= 1
-        assert int(trials._fingerprint(torch, changed)) != before, i
-    swapped = t.clone()
-    w = swapped.view(-1).view(words.dtype)
-    i, j = next((i, j) for i in range(words.numel()) for j in range(i + 1, words.numel())
-                if words[i] != words[j])
-    w[i], w[j] = words[j].clone(), words[i].clone()
-    assert int(trials._fingerprint(torch, swapped)) != before
-    assert trials._fingerprint(torch, t.t()) is None  # not contiguous: always put back
+    t = torch.rand(3, 70) > 0.5 if kind is torch.bool else (torch.randn(3, 70) * 100).to(kind)
+    key = trials._PrintKey(torch)
+    print_of = lambda x: int(trials._fingerprint(torch, x, key))  # noqa: E731
+    before = print_of(t)
+    assert print_of(t.clone()) == before
+    bytes_ = t.view(-1).view(torch.uint8)
+    top = t.element_size() - 1  # the byte holding the sign on a little-endian machine
+
+    def changed(*edits):
+        c = t.clone()
+        b = c.view(-1).view(torch.uint8)
+        for at, mask in edits:
+            b[at] ^= mask
+        return c
+
+    for i in (0, 63, 64, 150, bytes_.numel() - 1):
+        assert print_of(changed((i, 1))) != before, i
+        assert print_of(changed((i - i % t.element_size() + top, 0x80))) != before, i
+    size = t.element_size()
+    assert print_of(changed((top, 0x80), (size + top, 0x80))) != before
+    assert print_of(changed((top, 0x80), (65 * size + top, 0x80))) != before
+    for i, j in ((0, 1), (5, 100)):
+        swapped = t.clone().view(-1)
+        if not torch.equal(swapped[i:i + 1], swapped[j:j + 1]):
+            swapped[i], swapped[j] = t.view(-1)[j].clone(), t.view(-1)[i].clone()
+            assert print_of(swapped.view(3, 70)) != before, (i, j)
+    # Bits read in memory order: a tensor laid out otherwise is read where it lies.
+    if kind is not torch.bool:
+        wide = (torch.randn(2, 3, 4, 5) * 10).to(kind)
+        assert print_of(wide.to(memory_format=torch.channels_last)) == print_of(
+            wide.to(memory_format=torch.channels_last).clone(
+                memory_format=torch.preserve_format))
+    assert trials._fingerprint(torch, t.expand(2, 3, 70), key) is None  # overlapping
+    assert trials._fingerprint(torch, t[:, :16], key) is None  # gaps between rows
+
+
+def test_words_that_cannot_be_read_in_place_get_no_fingerprint(trials, monkeypatch):
+    """A quantized tensor, a view with gaps, and a tensor off a GPU as shipped: no
+    fingerprint, so they are put back after every trial."""
+    import torch
+
+    key = trials._PrintKey(torch)
+    monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda", "cpu"))
+    q = torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8)
+    assert trials._flat_words(torch, q) is None
+    assert trials._fingerprint(torch, torch.randn(3, 32)[:, :16], key) is None
+    monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda",))
+    assert trials._fingerprint(torch, torch.randn(8), key) is None
 
 
 def test_a_watched_weight_without_a_fingerprint_is_put_back_every_time(trials, monkeypatch):
-    """Where a fingerprint cannot be taken (here a transposed weight's non-contiguous
-    layout; off a GPU, any), the weight is put back after every trial, as any other."""
+    """Where a fingerprint cannot be taken (here a weight that is a slice of a wider tensor;
+    off a GPU, any), the weight is put back after every trial, as any other, and a step that
+    drifts it through `.data` leaves it as it was."""
     import torch
 
     monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda", "cpu"))
+    model = _Adapted()
+    wide = torch.zeros(3, 32)
+    wide[:, :16] = model.base.weight.detach()
+    model.base.weight = torch.nn.Parameter(wide[:, :16], requires_grad=False)
+    assert model.base.weight.stride() == (32, 1)
+    base = [t.clone() for t in model.base.parameters()]
+    opt = torch.optim.SGD(model.up.parameters(), lr=0.1)
+
+    def step(batch):
+        opt.zero_grad()
+        model(torch.randn(batch, 16)).square().mean().backward()
+        opt.step()
+        model.base.weight.data.mul_(0.5)
+
+    ns = {"model": model, "opt": opt, "step": step}
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    assert call(trials, ns, "trial", batch=4, steps=2)["result"] == "ran"
+    assert torch.equal(model.base.weight, base[0])
+    assert trials._session.snapshot.watched.put_back == 1  # the slice; the bias had a print
+    call(trials, ns, "close")
+    assert all(torch.equal(a, b) for a, b in zip(base, model.base.parameters()))
+    monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda",))  # as shipped, on the CPU
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    assert call(trials, ns, "trial", batch=4, steps=2)["result"] == "ran"
+    assert trials._session.snapshot.watched.put_back == 2  # the weight and the bias
+    call(trials, ns, "close")
+    assert all(torch.equal(a, b) for a, b in zip(base, model.base.parameters()))
+
+
+@pytest.mark.parametrize("swap", ["shape", "dtype", "padded with zeros"])
+def test_a_frozen_weight_the_step_replaces_through_data_comes_back_as_it_was(
+        trials, swap, monkeypatch):
+    """`p.data = other` in the step: the same tensor object with other storage, shape or
+    dtype (zeros added leave a weighted sum as it was): its layout and values come back."""
+    import torch
+
+    monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda", "cpu"))
+    model = _Adapted()
+    weight = model.base.weight
+    base = weight.detach().clone()
+    opt = torch.optim.SGD(model.up.parameters(), lr=0.1)
+    replacements = {"shape": lambda w: w.reshape(-1),
+                    "dtype": lambda w: w.double(),
+                    "padded with zeros": lambda w: torch.cat([w, torch.zeros(1, 16)])}
+
+    def step(batch):
+        opt.zero_grad()
+        model(torch.randn(batch, 16)).square().mean().backward()
+        opt.step()
+        weight.data = replacements[swap](weight.data)
+
+    ns = {"model": model, "opt": opt, "step": step}
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    assert call(trials, ns, "trial", batch=4, steps=1)["result"] == "ran"
+    assert weight.dtype == base.dtype and weight.stride() == base.stride()
+    assert torch.equal(weight, base)
+    call(trials, ns, "close")
+    assert model.base.weight is weight and torch.equal(weight, base)
+
+
+def test_frozen_weights_an_optimizer_holds_or_with_a_gradient_are_not_watched(trials):
+    """Only a frozen weight no optimizer holds and without a gradient is watched; the others
+    are copied back after every trial as before (an optimizer may write one, a gradient is
+    state of its own)."""
+    import torch
 
     model = _Adapted()
-    model.base.weight = torch.nn.Parameter(model.base.weight.detach().t().contiguous().t(),
-                                           requires_grad=False)
-    base = model.base.weight.clone()
-    opt = torch.optim.SGD(model.up.parameters(), lr=0.1)
+    opt = torch.optim.SGD([*model.up.parameters(), model.base.bias], lr=0.1)
+    model.base.weight.grad = torch.ones_like(model.base.weight)
 
     def step(batch):
         opt.zero_grad()
@@ -1898,16 +1996,12 @@ def test_a_watched_weight_without_a_fingerprint_is_put_back_every_time(trials, m
         opt.step()
 
     ns = {"model": model, "opt": opt, "step": step}
-    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
-    assert call(trials, ns, "trial", batch=4, steps=2)["result"] == "ran"
-    assert trials._session.snapshot.watched.put_back == 1
+    described = call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})["describe"]
+    assert described["watched_bytes"] == 0, described
     call(trials, ns, "close")
-    assert torch.equal(model.base.weight, base)
-    monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda",))  # as shipped, on the CPU
-    model.base.weight = torch.nn.Parameter(base.clone(), requires_grad=False)
-    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
-    assert call(trials, ns, "trial", batch=4, steps=2)["result"] == "ran"
-    assert trials._session.snapshot.watched.put_back == 2  # the weight and the bias
+    model.base.weight.grad = None
+    described = call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})["describe"]
+    assert described["watched_bytes"] == 16 * 3 * 4, described  # the weight, not the bias
     call(trials, ns, "close")
 
 

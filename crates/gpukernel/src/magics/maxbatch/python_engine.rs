@@ -1322,7 +1322,7 @@ fn notes(prepared: &Prepared) -> Vec<String> {
     if d.watched_bytes > 0 {
         notes.push(format!(
             "{} of that are frozen weights in no optimizer, which your step could still \
-             write: put back only after a trial that changed them",
+             write: put back only after a trial that changed them (by a hash of their bits)",
             human_bytes(d.watched_bytes)
         ));
     }
@@ -1522,7 +1522,8 @@ mod tests {
         assert!(
             told.contains(
                 &"13.0 GiB of that are frozen weights in no optimizer, which your step could \
-                  still write: put back only after a trial that changed them"
+                  still write: put back only after a trial that changed them (by a hash of \
+                  their bits)"
                     .to_string()
             ),
             "{told:?}"

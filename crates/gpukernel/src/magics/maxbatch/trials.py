@@ -9,7 +9,7 @@ the notebook gains no names, no history and no execution count.
 The user's state survives every trial exactly. ``prepare`` copies to host memory (never a
 second GPU copy) the parameters (the standard step leaves out those it cannot write: frozen
 ones no optimizer holds, or all of them for --inference; a step function's frozen ones are
-kept, and put back only where a trial changed their fingerprint), buffers, gradients, optimizer state
+kept, and put back only where a trial changed their layout or fingerprint), buffers, gradients, optimizer state
 (through the lists and dicts it may hold, as LBFGS's history) and hyper-parameters,
 GradScaler and LR-scheduler state, the random number generators (torch CPU and CUDA, Python's
 ``random``, NumPy's global one), every module's training flag and its layout (which tensor sits
@@ -255,75 +255,125 @@ class _Layout:
                     v.copy_(value, non_blocking=True)
 
 
-# Elements a fingerprint reads per chunk: its temporaries (one chunk's weights and products,
+# Words a fingerprint reads per chunk: its temporaries (one chunk's weights and products,
 # int64) take 64 MiB on the tensor's device whatever the tensor's size, and are freed with it.
 _PRINT_CHUNK = 1 << 22
-# 2^64 over the golden ratio, as a signed 64-bit integer: times the position, it spreads
-# neighbouring positions over all 64 bits.
-_GOLDEN = -7046029254386353131
-_WORD_KINDS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 # Devices where reading a tensor for its fingerprint is cheaper than copying it back: a GPU
 # reads at its memory's bandwidth, a CPU computes the weighted sum ten times slower than it
 # copies (the tests add "cpu" to run the GPU's path).
 _PRINTED_DEVICES = ("cuda",)
 
 
-def _print_weights(torch, device):
-    """The odd weights of one chunk's positions (int64)."""
-    weights = torch.arange(_PRINT_CHUNK, dtype=torch.int64, device=device)
-    return weights.mul_(_GOLDEN).bitwise_or_(1)
+class _PrintKey:
+    """The secret random odd weights of one session's fingerprints: drawn from a generator of
+    their own (the user's random streams stay untouched), so no change a step makes can line
+    up with them, as it could with fixed ones (+3 and -1 at positions whose fixed weights are
+    in the ratio 1:3 cancel)."""
+
+    def __init__(self, torch):
+        import os
+        self.torch = torch
+        self.seed = int.from_bytes(os.urandom(8), "little") >> 1
+
+    def weights(self, device):
+        """One chunk's weights on `device`, int64, every one odd: the same on every call."""
+        torch = self.torch
+        gen = torch.Generator(device=device)
+        gen.manual_seed(self.seed)
+        w = torch.randint(-2**63, 2**63 - 1, (_PRINT_CHUNK,), dtype=torch.int64,
+                          device=device, generator=gen)
+        return w.bitwise_or_(1)
+
+    def factors(self, chunks, device):
+        """Each chunk's own odd factor (so that chunks weighted alike do not cancel)."""
+        import random
+        rng = random.Random(self.seed)
+        values = [(rng.getrandbits(64) | 1) - (1 << 63) for _ in range(chunks)]
+        # -2^63 + odd is odd: the shift only brings the value into int64's range.
+        return self.torch.tensor(values, dtype=self.torch.int64, device=device)
 
 
-def _fingerprint(torch, t, weights=None):
-    """A fingerprint of `t`'s bits, computed on its own device: the sum over its elements,
-    read as integers of their size (so NaN payloads and -0.0 count), each times an odd weight
-    (its place in its chunk's, times its chunk's own odd factor), modulo 2^64 (torch's int64
-    arithmetic wraps). A change of one element always changes it; a change of several escapes
-    only if their weighted differences cancel modulo 2^64, about one chance in 2^64 for a real
-    update. A 0-d int64 tensor, not synchronized; None where the bits cannot be read in place
-    (not contiguous, 16-byte elements) or are cheaper copied back than read (not on a GPU).
-    `weights`: `_print_weights` on `t`'s device, made here if not given."""
-    kind = _WORD_KINDS.get(t.element_size())
-    if kind is None or not t.is_contiguous() or t.device.type not in _PRINTED_DEVICES:
+def _flat_words(torch, t):
+    """`t`'s bytes in memory order as 16-bit words (8-bit for 1-byte elements), a view, or
+    None where they cannot be read in place: a tensor subclass (a quantized wrapper's
+    parameter), quantized or sparse storage, or elements that overlap or leave gaps."""
+    if type(t.data) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
         return None
-    words = t.detach().reshape(-1).view(getattr(torch, kind))
+    sizes, strides = t.shape, t.stride()
+    expected = 1
+    for size, stride in sorted(zip(sizes, strides), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return None  # not dense: a slice, a broadcast, an expanded view
+        expected *= size
+    flat = t.detach().as_strided((t.numel(),), (1,), t.storage_offset())
+    if t.element_size() == 1:
+        return flat.view(torch.uint8)
+    if t.element_size() % 2:
+        return None
+    return flat.view(torch.uint8).view(torch.int16) if t.element_size() != 2 \
+        else flat.view(torch.int16)
+
+
+def _fingerprint(torch, t, key, weights=None):
+    """A fingerprint of `t`'s bits, computed on its own device: the sum over its 16-bit words
+    (8-bit for 1-byte elements; so NaN payloads and -0.0 count), each times a secret random
+    odd weight (`key`'s: its place in its chunk's, times its chunk's own), modulo 2^64
+    (torch's int64 arithmetic wraps). A change of one word, being less than 2^16, always
+    changes it; a change of several escapes only if their weighted differences cancel modulo
+    2^64, which for weights the change cannot know has a chance of at most 2^-49. A 0-d int64
+    tensor, not synchronized; None where the bits cannot be read in place (`_flat_words`) or
+    are cheaper copied back than read (not on a GPU). `weights`: `key.weights(t.device)`,
+    made here if not given."""
+    if t.device.type not in _PRINTED_DEVICES:
+        return None
+    words = _flat_words(torch, t)
+    if words is None:
+        return None
     if weights is None:
-        weights = _print_weights(torch, t.device)
+        weights = key.weights(t.device)
     n = weights.numel()
     # Two kernels a chunk (products, their sum), then one sum over the chunks.
     parts = [(words[at:at + n] * weights[:min(n, words.numel() - at)]).sum()
              for at in range(0, words.numel(), n)]
     if not parts:
         return torch.zeros((), dtype=torch.int64, device=t.device)
-    factors = torch.arange(len(parts), dtype=torch.int64, device=t.device).mul_(2).add_(1)
-    return (torch.stack(parts) * factors).sum()
+    return (torch.stack(parts) * key.factors(len(parts), t.device)).sum()
 
 
 class _Watched:
     """Frozen weights a user's step may write but seldom does (a frozen base under LoRA
-    adapters, a BYOL or DINO teacher it updates in place): kept in (pageable) host memory, and
-    after a trial put back only where their fingerprint changed. Copying a 14 GB base back
-    over the host link after every trial takes about 0.6 s on an H100; reading it for the
-    fingerprint, at the GPU's own memory bandwidth, a few milliseconds. A tensor whose
-    fingerprint cannot be taken (no room for its 64 MiB on the GPU, odd layout) is put back
-    after every trial, as any other."""
+    adapters; a BYOL or DINO teacher it updates in place): kept in host memory as every
+    parameter is, but after a trial put back only where their fingerprint, or their shape,
+    strides or dtype, changed. Copying a 14 GB base back over the host link after every trial
+    takes about 0.6 s on an H100; reading it for the fingerprint goes at the GPU's own memory
+    bandwidth. A tensor whose fingerprint cannot be taken (no room for its 64 MiB on the GPU,
+    an odd kind of tensor, off a GPU) is put back after every trial, as any other."""
 
     def __init__(self, torch, tensors):
         self.torch = torch
-        self.kept = [(t, t.detach().to("cpu", copy=True)) for t in tensors]
+        self.key = _PrintKey(torch)
+        self.kept = [(t, _host(t), self._layout(t)) for t in tensors]
         self.prints = self._prints()
-        self.put_back = 0  # tensors put back so far, for the report
+        self.put_back = 0  # tensors put back so far, for the report and the tests
+
+    @staticmethod
+    def _layout(t):
+        return (tuple(t.shape), t.stride(), t.dtype, t.device)
 
     def _prints(self):
         torch = self.torch
-        prints, weights = [], {}
-        for t, _ in self.kept:
-            try:
-                if t.device not in weights and t.device.type in _PRINTED_DEVICES:
-                    weights[t.device] = _print_weights(torch, t.device)
-                prints.append(_fingerprint(torch, t, weights.get(t.device)))
-            except (RuntimeError, TypeError):  # no room for it, a dtype with no integer view
-                prints.append(None)
+        prints, weights, failed = [], {}, set()
+        for t, _, _ in self.kept:
+            print_ = None
+            if t.device not in failed:
+                try:
+                    if t.device not in weights and t.device.type in _PRINTED_DEVICES:
+                        weights[t.device] = self.key.weights(t.device)
+                    print_ = _fingerprint(torch, t, self.key, weights.get(t.device))
+                except Exception:  # no room on the device, a tensor kind torch cannot view
+                    failed.add(t.device)  # once: every try would count another OOM
+            prints.append(print_)
+        del weights
         # One synchronization a device for all of them (a base split over several GPUs).
         read = {}
         for device in {p.device for p in prints if p is not None}:
@@ -332,17 +382,26 @@ class _Watched:
         return [read.get(i) for i in range(len(prints))]
 
     def bytes(self):
-        return sum(h.numel() * h.element_size() for _, h in self.kept)
+        return sum(h.numel() * h.element_size() for _, h, _ in self.kept)
 
     def restore(self):
         """Puts back what the trial changed (all of it where the fingerprints fail)."""
         if not self.kept:
             return
-        now = self._prints()
-        with self.torch.no_grad():
-            for (t, host), before, after in zip(self.kept, self.prints, now):
-                if before is None or after is None or before != after:
+        torch = self.torch
+        reshaped = [self._layout(t) != layout for t, _, layout in self.kept]
+        with torch.no_grad():
+            for (t, host, (shape, stride, dtype, device)), changed in zip(self.kept, reshaped):
+                if changed:  # `t.data = ...` in the step: the old layout and values back
+                    t.data = torch.empty_strided(shape, stride, dtype=dtype, device=device)
                     t.copy_(host)
+        now = self._prints()
+        with torch.no_grad():
+            for (t, host, _), before, after, done in zip(self.kept, self.prints, now, reshaped):
+                if done:
+                    self.put_back += 1
+                elif before is None or after is None or before != after:
+                    t.copy_(host, non_blocking=True)  # `_settle` synchronizes after
                     self.put_back += 1
                 if t.grad is not None:  # none when kept: a step that set one leaves none
                     t.grad = None
