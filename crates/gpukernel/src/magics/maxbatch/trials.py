@@ -344,9 +344,10 @@ class _Watched:
     """Frozen weights a user's step may write but seldom does (a frozen base under LoRA
     adapters; a BYOL or DINO teacher it updates in place): kept in host memory as every
     parameter is, but after a trial put back only where their fingerprint, or their shape,
-    strides or dtype, changed. Copying a 14 GB base back over the host link after every trial
-    takes about 0.6 s on an H100; reading it for the fingerprint goes at the GPU's own memory
-    bandwidth. A tensor whose fingerprint cannot be taken (no room for its 64 MiB on the GPU,
+    strides or dtype, changed. Measured on an H100 for an 8 GiB bf16 base
+    (bench/results/watched-restore-check-2026-12-06): 85 ms a trial to fingerprint it,
+    against 175 ms to copy it back from pinned memory; a base the step writes every trial
+    pays both. A tensor whose fingerprint cannot be taken (no room for its 64 MiB on the GPU,
     an odd kind of tensor, off a GPU) is put back after every trial, as any other."""
 
     def __init__(self, torch, tensors):
