@@ -491,6 +491,14 @@ def drop(name):
 def gpt_step(batch):   # --step: the user's own function
     train("gptstep", batch, 1)
 
+def freeze_but_top(m):  # a frozen backbone: embeddings and the first 6 blocks; AdamW on the rest
+    for p in [*m.tok.parameters(), m.pos, *(p for b in m.blocks[:6] for p in b.parameters())]:
+        p.requires_grad_(False)
+    return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
+
+def gpt_frozen_step(batch):   # --step over a frozen backbone: its weights are watched, not copied back
+    train("gptfrozen", batch, 1)
+
 def gpt_accum_step(batch):   # --step with gradient accumulation: 4 micro-batches of `batch`
     train("gptaccum", batch, 1)
 
@@ -634,6 +642,9 @@ ROWS = {
     "gpt_checkpointed": ("make('gpt_checkpointed', lambda: GPT(checkpoint=True), tokens(32000, 512))",
                          "gpt_checkpointed --input 512", False),
     "gpt_step": ("make('gptstep', GPT, tokens(32000, 512))", "--step gpt_step", False),
+    # Added 2026-12-06: a frozen backbone sized through --step (trials.py's _Watched).
+    "gpt_frozen_step": ("make('gptfrozen', GPT, tokens(32000, 512), opt=freeze_but_top)",
+                        "--step gpt_frozen_step", False),
     "gpt_accum_step": ("make('gptaccum', GPT, tokens(32000, 512)); accumulate['gptaccum'] = 4",
                        "--step gpt_accum_step", False),
     "gpt_compiled_step": ("make('gptc', GPT, tokens(32000, 512)); "
@@ -746,7 +757,7 @@ ROWS = {
                                "tutorial_seqfirst_fp32 --input 256", False),
 }
 # The --step rows: the notebook variable their function trains.
-STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum",
+STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum", "gpt_frozen_step": "gptfrozen",
              "gpt_compiled_step": "gptc", "hf_llama_step": "hfls", "gpt_sched_step": "gptsched",
              "hf_resnet50_cl_step": "rn50cl", "hf_t5_step": "t5", "hf_llama_bf16w_step": "llbw"}
 # What a new user might try first on a row's model, and the message they get (recorded as the
