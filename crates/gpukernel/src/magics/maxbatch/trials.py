@@ -9,12 +9,12 @@ the notebook gains no names, no history and no execution count.
 The user's state survives every trial exactly. ``prepare`` copies to host memory (never a
 second GPU copy) the parameters (the standard step leaves out those it cannot write: frozen
 ones no optimizer holds, or all of them for --inference; a step function's frozen ones are
-kept, and put back only where a trial changed their layout or fingerprint), buffers, gradients, optimizer state
-(through the lists and dicts it may hold, as LBFGS's history) and hyper-parameters,
-GradScaler and LR-scheduler state, the random number generators (torch CPU and CUDA, Python's
-``random``, NumPy's global one), every module's training flag and its layout (which tensor sits
-under each registered name, its plain attributes); after each trial (success,
-out of memory, an error in the user's step, an interrupt) they are put back in place.
+kept, and put back only where a trial changed their layout or fingerprint), buffers,
+gradients, optimizer state (through the lists and dicts it may hold, as LBFGS's history) and
+hyper-parameters, GradScaler and LR-scheduler state, the random number generators (torch CPU
+and CUDA, Python's ``random``, NumPy's global one), every module's training flag and its
+layout (which tensor sits under each registered name, its plain attributes); after each trial
+(success, out of memory, an error in the user's step, an interrupt) they are put back in place.
 
 A trial is one of:
 - ``step``: the user's own function ``FN(batch_size)``, called as their loop would call it (the
@@ -320,7 +320,9 @@ def _fingerprint(torch, t, key, weights=None):
     odd weight (`key`'s: its place in its chunk's, times its chunk's own), modulo 2^64
     (torch's int64 arithmetic wraps). A change of one word, being less than 2^16, always
     changes it; a change of several escapes only if their weighted differences cancel modulo
-    2^64, which for weights the change cannot know has a chance of at most 2^-49. A 0-d int64
+    2^64, which for weights the change cannot know has a chance of at most 2^-48 (a word's
+    change has at most 15 factors of 2, leaving 48 of the 63 random bits of an odd weight
+    to match). A 0-d int64
     tensor, not synchronized; None where the bits cannot be read in place (`_flat_words`) or
     are cheaper copied back than read (not on a GPU). `weights`: `key.weights(t.device)`,
     made here if not given."""
