@@ -1809,6 +1809,20 @@ def test_a_frozen_teacher_the_users_step_updates_in_place_is_put_back(trials):
     assert all(torch.equal(a, b) for a, b in zip(before, teacher.parameters()))
 
 
+def _adapter_step(model, opt, then=lambda: None):
+    """A user's `--step` for `_Adapted`: one step on random data, then `then()` (a write to
+    the frozen base, say)."""
+    import torch
+
+    def step(batch):
+        opt.zero_grad()
+        model(torch.randn(batch, 16)).square().mean().backward()
+        opt.step()
+        then()
+
+    return step
+
+
 def test_a_frozen_base_the_users_step_leaves_alone_is_not_copied_back(trials, monkeypatch):
     """`--step FN` over LoRA adapters: the frozen base is kept once (it could be written) and,
     unchanged by the trials, never copied back; one the step writes through `.data` (which
@@ -1816,17 +1830,10 @@ def test_a_frozen_base_the_users_step_leaves_alone_is_not_copied_back(trials, mo
     import torch
 
     monkeypatch.setattr(trials, "_PRINTED_DEVICES", ("cuda", "cpu"))
-
     model = _Adapted()
     base = [t.clone() for t in model.base.parameters()]
     opt = torch.optim.AdamW([*model.down.parameters(), *model.up.parameters()])
-
-    def step(batch):
-        opt.zero_grad()
-        model(torch.randn(batch, 16)).square().mean().backward()
-        opt.step()
-
-    ns = {"model": model, "opt": opt, "step": step}
+    ns = {"model": model, "opt": opt, "step": _adapter_step(model, opt)}
     described = call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})["describe"]
     assert described["watched_bytes"] == (16 * 3 + 3) * 4, described
     assert described["fixed_bytes"] == 0, described
@@ -1836,11 +1843,8 @@ def test_a_frozen_base_the_users_step_leaves_alone_is_not_copied_back(trials, mo
     call(trials, ns, "close")
     assert all(torch.equal(a, b) for a, b in zip(base, model.base.parameters()))
 
-    def drifting(batch):
-        step(batch)
-        model.base.weight.data.add_(1e-3)  # an EMA written the old way: no version bump
-
-    ns["step"] = drifting
+    # An EMA written the old way, through .data: no version bump.
+    ns["step"] = _adapter_step(model, opt, lambda: model.base.weight.data.add_(1e-3))
     call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
     for batch in (4, 8):
         assert call(trials, ns, "trial", batch=batch, steps=2)["result"] == "ran"
@@ -1928,12 +1932,7 @@ def test_a_watched_weight_without_a_fingerprint_is_put_back_every_time(trials, m
     base = [t.clone() for t in model.base.parameters()]
     opt = torch.optim.SGD(model.up.parameters(), lr=0.1)
 
-    def step(batch):
-        opt.zero_grad()
-        model(torch.randn(batch, 16)).square().mean().backward()
-        opt.step()
-        model.base.weight.data.mul_(0.5)
-
+    step = _adapter_step(model, opt, lambda: model.base.weight.data.mul_(0.5))
     ns = {"model": model, "opt": opt, "step": step}
     call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
     assert call(trials, ns, "trial", batch=4, steps=2)["result"] == "ran"
@@ -1965,13 +1964,10 @@ def test_a_frozen_weight_the_step_replaces_through_data_comes_back_as_it_was(
                     "dtype": lambda w: w.double(),
                     "padded with zeros": lambda w: torch.cat([w, torch.zeros(1, 16)])}
 
-    def step(batch):
-        opt.zero_grad()
-        model(torch.randn(batch, 16)).square().mean().backward()
-        opt.step()
+    def replace():
         weight.data = replacements[swap](weight.data)
 
-    ns = {"model": model, "opt": opt, "step": step}
+    ns = {"model": model, "opt": opt, "step": _adapter_step(model, opt, replace)}
     call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
     assert call(trials, ns, "trial", batch=4, steps=1)["result"] == "ran"
     assert weight.dtype == base.dtype and weight.stride() == base.stride()
@@ -1990,12 +1986,7 @@ def test_frozen_weights_an_optimizer_holds_or_with_a_gradient_are_not_watched(tr
     opt = torch.optim.SGD([*model.up.parameters(), model.base.bias], lr=0.1)
     model.base.weight.grad = torch.ones_like(model.base.weight)
 
-    def step(batch):
-        opt.zero_grad()
-        model(torch.randn(batch, 16)).square().mean().backward()
-        opt.step()
-
-    ns = {"model": model, "opt": opt, "step": step}
+    ns = {"model": model, "opt": opt, "step": _adapter_step(model, opt)}
     described = call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})["describe"]
     assert described["watched_bytes"] == 0, described
     call(trials, ns, "close")
