@@ -883,6 +883,9 @@ def searches(nb, key, args, lightning):
     ours = nb.magic(args)
     after = nb.value(f"fingerprint({key!r})")
     row = dict(ours)
+    # Page-locked host memory left in the kernel: the snapshot's is given back at close.
+    row["pinned_host_after"] = nb.value(
+        "torch.cuda.host_memory_stats().get('allocated_bytes.current')")
     row["state_unchanged"] = before == after
     if before != after:
         row["state_before_after"] = [before, after]

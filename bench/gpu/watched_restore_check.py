@@ -6,7 +6,9 @@ stack of frozen bf16 linear layers (BASE_GIB, 8 by default) with trainable rank-
 and AdamW on the adapters, as a LoRA fine-tune is set up. The same process runs both ways:
 "fingerprints" is the code as shipped; "copy back" makes every fingerprint fail, which puts
 the base back after every trial, as before `_Watched`. Then a step that writes the base
-through `.data` (an EMA teacher): it must come back bit for bit.
+through `.data` (an EMA teacher): it must come back bit for bit. Each run also records the
+page-locked host memory before and after close (close gives the snapshot's back) and its
+prepare time (each run pins its host copies afresh).
 
     python3 bench/gpu/watched_restore_check.py
 
@@ -69,6 +71,13 @@ def call(trials, ns, name, **args):
     return json.loads(trials.call(ns, name, json.dumps(args)))
 
 
+def pinned():
+    """Page-locked host memory torch's host allocator holds (in use and cached)."""
+    if DEVICE != "cuda":
+        return None
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current")
+
+
 def run(trials, ns):
     """prepare, the trials, close: where the time between trials went."""
     began = time.perf_counter()
@@ -82,8 +91,10 @@ def run(trials, ns):
         results.append(reply["result"])
         restore_ms.append(reply["cleanup_ms"]["restore"])
     put_back = trials._session.snapshot.watched.put_back
+    pinned_open = pinned()
     closed = call(trials, ns, "close")
     return {"prepare_s": prepare_s, "restore_ms": restore_ms, "results": results,
+            "pinned_before_close": pinned_open, "pinned_after_close": pinned(),
             "watched_bytes": prepared["describe"].get("watched_bytes"),
             "snapshot_bytes": prepared["describe"]["snapshot_bytes"],
             "put_back": put_back, "close_ms": closed.get("timings_ms")}

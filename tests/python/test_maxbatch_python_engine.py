@@ -1854,6 +1854,36 @@ def test_a_frozen_base_the_users_step_leaves_alone_is_not_copied_back(trials, mo
     assert all(torch.equal(a, b) for a, b in zip(base, model.base.parameters()))
 
 
+def test_close_gives_the_snapshots_page_locked_memory_back_once_it_is_dropped(trials,
+                                                                               monkeypatch):
+    """torch's host allocator keeps freed pinned blocks for the life of the process: close
+    empties that cache, and only after the session's host copies are garbage (emptying it
+    earlier would free nothing). A CPU-only torch has no pinned memory, so the CUDA checks
+    are switched on for the close alone and the allocator's release is counted."""
+    import weakref
+
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters())
+    ns = {"model": model, "opt": opt}
+    call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4]})
+    call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 3, "class_dim": -1})
+    assert call(trials, ns, "trial", batch=4, steps=2)["result"] == "ran"
+    copies = [weakref.ref(kept) for _, kept, _ in trials._session.snapshot.params]
+    alive_at_release = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch._C, "_host_emptyCache",
+                        lambda: alive_at_release.append(sum(c() is not None for c in copies)),
+                        raising=False)
+    closed = call(trials, ns, "close")
+    assert closed["closed"] is True and "pinned" in closed["timings_ms"]
+    assert alive_at_release == [0], "emptied once, with every host copy already dropped"
+    monkeypatch.undo()
+    assert call(trials, ns, "close") == {"closed": False}  # a second close releases nothing
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "uint8",
                                    "bool", "int64", "complex64", "float8_e4m3fn"])
 def test_a_fingerprint_changes_with_any_one_element(trials, dtype, monkeypatch):
@@ -2153,7 +2183,7 @@ def test_prepare_trial_and_close_say_where_their_time_went(trials):
     assert set(trial["cleanup_ms"]) == {"collect", "empty_cache", "restore"}
     assert trial["settle_ms"] >= 0
     closed = call(trials, ns, "close")
-    assert set(closed["timings_ms"]) == {"restore", "release", "settle"}
+    assert set(closed["timings_ms"]) == {"restore", "release", "settle", "pinned"}
 
 
 def test_a_trial_ends_once_a_step_repeats_the_one_before(trials):

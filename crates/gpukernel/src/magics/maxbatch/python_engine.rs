@@ -120,6 +120,8 @@ struct Memory {
     limit: Option<u64>,
     allocated: Option<u64>,
     reserved: Option<u64>,
+    /// Page-locked host memory torch's host allocator holds (in use and cached).
+    pinned: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -582,14 +584,25 @@ fn state_back(step_fn: bool) -> &'static str {
 /// Closes the session; the report's line on what the user's kernel holds afterwards.
 fn close_line(session: &mut Session, step_fn: bool) -> String {
     match session.close().and_then(|c| c.memory.as_ref()) {
-        Some(m) => format!(
-            "afterwards: {}; your Python kernel holds {} allocated, {} reserved",
-            state_back(step_fn),
-            human_bytes(m.allocated.unwrap_or(0)),
-            human_bytes(m.reserved.unwrap_or(0))
-        ),
+        Some(m) => afterwards(m, step_fn),
         None => "afterwards: the Python session could not be closed (see the kernel log)".into(),
     }
+}
+
+/// What the user's kernel holds once the session is closed.
+fn afterwards(m: &Memory, step_fn: bool) -> String {
+    // Pinned host memory is named only where some is left: the snapshot's is given back at
+    // close, so what remains is the user's own (a DataLoader's batches in use).
+    let pinned = match m.pinned {
+        Some(p) if p > 0 => format!(" and {} of page-locked host memory", human_bytes(p)),
+        _ => String::new(),
+    };
+    format!(
+        "afterwards: {}; your Python kernel holds {} allocated, {} reserved{pinned}",
+        state_back(step_fn),
+        human_bytes(m.allocated.unwrap_or(0)),
+        human_bytes(m.reserved.unwrap_or(0))
+    )
 }
 
 /// The loss a module's standard step uses (from its output, or `--loss`), set in the session;
@@ -1361,6 +1374,35 @@ fn notes(prepared: &Prepared) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_is_left_afterwards_names_pinned_host_memory_only_where_some_is_left() {
+        let memory = |pinned| Memory {
+            device: "cuda:0".into(),
+            name: None,
+            uuid: None,
+            total: None,
+            limit: None,
+            allocated: Some(3 << 30),
+            reserved: Some(4 << 30),
+            pinned,
+        };
+        let line = afterwards(&memory(Some(0)), false);
+        assert!(
+            line.ends_with("holds 3.00 GiB allocated, 4.00 GiB reserved"),
+            "{line}"
+        );
+        assert_eq!(
+            afterwards(&memory(None), false),
+            line,
+            "a torch that cannot tell"
+        );
+        let line = afterwards(&memory(Some(256 << 20)), true);
+        assert!(
+            line.ends_with("reserved and 256 MiB of page-locked host memory"),
+            "{line}"
+        );
+    }
 
     #[test]
     fn the_models_own_loss_is_said_with_its_targets_and_why() {
