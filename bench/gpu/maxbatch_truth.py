@@ -753,6 +753,23 @@ ROWS = {
     "hf_vitmae_bf16": ("make('hf_vitmae_bf16', hf_vitmae, images(224, 1000), torch.bfloat16); "
                        "hf_returns_loss.add('hf_vitmae_bf16')",
                        "hf_vitmae_bf16 --input 3x224x224 --amp bf16", False),
+    # The four loops above that drop the output at once, each sized with --drops-output
+    # (2026-12-06), which lets each step's output go before the next forward as they do: the
+    # same models and loops under rows of their own names.
+    "nanogpt_loss_only_dropped": ("make('nanogpt_loss_only_dropped', NanoGPT, tokens(50304, 1024)); "
+                                  "own_targets.add('nanogpt_loss_only_dropped'); "
+                                  "loss_only.add('nanogpt_loss_only_dropped')",
+                                  "nanogpt_loss_only_dropped --input 1024 --drops-output", False),
+    "mae_vitb_bf16_dropped": ("make('mae_vitb_bf16_dropped', MAE, images(224, 1000), torch.bfloat16); "
+                              "returns_loss.add('mae_vitb_bf16_dropped')",
+                              "mae_vitb_bf16_dropped --input 3x224x224 --amp bf16 --drops-output", False),
+    "hf_vitmae_bf16_dropped": ("make('hf_vitmae_bf16_dropped', hf_vitmae, images(224, 1000), torch.bfloat16); "
+                               "hf_returns_loss.add('hf_vitmae_bf16_dropped')",
+                               "hf_vitmae_bf16_dropped --input 3x224x224 --amp bf16 --drops-output", False),
+    "hf_llama_bf16w_labels_dropped": ("make('hf_llama_bf16w_labels_dropped', hf_llama, tokens(32000, 512), "
+                                      "weights=torch.bfloat16, opt=fused_adamw); "
+                                      "own_loss.add('hf_llama_bf16w_labels_dropped')",
+                                      "hf_llama_bf16w_labels_dropped --input 512 --drops-output", False),
     "tutorial_seqfirst_fp32": ("make('tutorial_seqfirst_fp32', TutorialLM, seq_tokens(32000, 256))",
                                "tutorial_seqfirst_fp32 --input 256", False),
 }

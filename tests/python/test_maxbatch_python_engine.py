@@ -433,6 +433,23 @@ def test_json_without_a_gpu_is_the_cells_value_with_no_batch_size(notebook):
     assert v["assumptions"]["optimizer"] == "the notebook's opt (AdamW)", v
     # The standard step is not the user's loop: at the limit theirs can differ by a sample.
     assert "--step FN sizes your own step exactly" in v["assumptions"]["step"], v
+    assert "the last output alive into the next step" in v["assumptions"]["step"], v
+    assert_untouched(kc)
+
+
+def test_drops_output_is_taken_through_the_kernel_and_stated(notebook):
+    _, kc = notebook
+    reply, outputs = execute(kc, "%maxbatch lm --input 8 --drops-output --json", timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    v = [o["content"]["data"]["application/json"] for o in outputs
+         if o["msg_type"] == "execute_result"][0]
+    assert "each output let go before the next step (--drops-output)" in \
+        v["assumptions"]["step"], v
+    assert_untouched(kc)
+    # A step function's loop is its own: the option is refused, and nothing runs.
+    reply, outputs = execute(kc, "%maxbatch --step lm_step --drops-output", timeout=60)
+    assert reply["content"]["status"] == "error", reply["content"]
+    assert "--drops-output" in reply["content"]["evalue"], reply["content"]
     assert_untouched(kc)
 
 
@@ -1220,6 +1237,41 @@ def test_the_held_output_is_counted_as_the_loop_holds_it(trials):
     ns = {"model": model}
     reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4]})
     assert reply["output"]["output_sample_bytes"] == expected // 2, reply
+    call(trials, ns, "close")
+
+
+@pytest.mark.parametrize("drops, alive", [(False, True), (True, False)])
+def test_the_last_output_lives_into_the_next_forward_unless_the_loop_drops_it(trials, drops,
+                                                                             alive):
+    """By default each step's output is still alive at the next forward, as `out = model(x)`
+    in a for loop keeps it; with --drops-output (`loss = model(**batch).loss`, a Trainer's
+    step) it is gone by then, the loss a loop keeps to log being a scalar of its own."""
+    import weakref
+
+    import torch
+
+    last, seen = [None], []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            seen.append(last[0] is not None and last[0]() is not None)
+            out = self.lin(x)
+            last[0] = weakref.ref(out)
+            return out
+
+    ns = {"model": Model()}
+    call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4],
+                                      "drops_output": drops})
+    call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 3, "class_dim": -1})
+    last[0] = None
+    seen.clear()
+    assert call(trials, ns, "trial", batch=4, steps=3)["result"] == "ran"
+    assert len(seen) >= 2 and seen[0] is False, seen
+    assert set(seen[1:]) == {alive}, seen
     call(trials, ns, "close")
 
 

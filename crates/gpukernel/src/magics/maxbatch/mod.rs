@@ -181,6 +181,12 @@ pub(super) struct Args {
     /// Forward only, no gradients (serving).
     #[arg(long)]
     pub(super) inference: bool,
+    /// Your loop lets go of the model's output before its next forward (`loss =
+    /// model(**batch).loss`, a Trainer's or Lightning's training_step): size that loop. By
+    /// default the last output lives into the next forward, as `out = model(x)` in a for
+    /// loop keeps it (the safe side).
+    #[arg(long, conflicts_with_all = ["step", "inference"])]
+    pub(super) drops_output: bool,
     /// CUDA device ordinal (default: the model's device, or the current one).
     #[arg(long)]
     pub(super) device: Option<usize>,
@@ -409,6 +415,13 @@ fn engine(args: &Args, target: &Target) -> Result<EngineChoice, MagicError> {
              Python kernel can: drop --engine libtorch",
         ));
     }
+    if engine == EngineChoice::Libtorch && args.drops_output {
+        return Err(MagicError::usage(
+            "%maxbatch: --drops-output is for the python engine, which runs your model's \
+             steps in your Python kernel; the libtorch engine keeps each output into the next \
+             forward (drop --engine libtorch, or --drops-output)",
+        ));
+    }
     if engine == EngineChoice::Python && args.dtype.is_some() {
         return Err(MagicError::usage(
             "%maxbatch: --dtype is for the libtorch engine; the python engine trains your model \
@@ -595,6 +608,17 @@ mod tests {
         );
         assert!(Args::try_parse_from(["%maxbatch", "--step", "f", "--input", "8"]).is_err());
         assert!(Args::try_parse_from(["%maxbatch", "--step", "f", "--batch-dim", "1"]).is_err());
+        // A step function's loop is its own; forward-only keeps no output into a next step.
+        assert!(Args::try_parse_from(["%maxbatch", "--step", "f", "--drops-output"]).is_err());
+        assert!(Args::try_parse_from(["%maxbatch", "m", "--inference", "--drops-output"]).is_err());
+        let a = args(&["model", "--engine", "libtorch", "--drops-output"]);
+        let err = engine(&a, &target(&a, true).unwrap()).unwrap_err();
+        assert!(err.evalue.contains("python engine"), "{}", err.evalue);
+        let a = args(&["model", "--drops-output"]);
+        assert_eq!(
+            engine(&a, &target(&a, true).unwrap()).unwrap(),
+            EngineChoice::Python
+        );
         assert!(Args::try_parse_from(["%maxbatch"]).is_err());
     }
 }

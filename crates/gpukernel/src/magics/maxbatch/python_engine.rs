@@ -47,6 +47,8 @@ pub(super) struct Spec {
     pub(super) optimizer: Option<&'static str>,
     pub(super) optimizer_from: Option<String>,
     pub(super) inference: bool,
+    /// `--drops-output`: each step lets go of its output before the next forward.
+    pub(super) drops_output: bool,
     pub(super) device: Option<usize>,
     /// `--loss`: "own" makes the step train on the model's own loss; the others leave it to
     /// the plan (`set_loss`), and keep the step from choosing the model's own by itself.
@@ -425,6 +427,7 @@ pub(super) fn spec(args: &Args) -> Spec {
         optimizer: args.optimizer.map(|o| o.name()),
         optimizer_from: args.optimizer_from.clone(),
         inference: args.inference,
+        drops_output: args.drops_output,
         device: args.device,
         // --target-classes asks for cross-entropy over them, not the model's own loss.
         loss: args
@@ -564,7 +567,12 @@ fn search_on_gpu(
 fn output_note(args: &Args, prepared: &Prepared, search: &SearchResult) -> Option<String> {
     let output = prepared.output.as_ref().filter(|_| !args.inference)?;
     let step = step_sample_bytes(&search.trials)?;
-    held_output_note(output.output_sample_bytes, search.max_fit?, step)
+    held_output_note(
+        output.output_sample_bytes,
+        search.max_fit?,
+        step,
+        args.drops_output,
+    )
 }
 
 /// What the trials leave as it was: the state `trials.py` snapshots (modules with their
@@ -1127,12 +1135,16 @@ fn standard_step_text(args: &Args, spec: &Spec, d: &Described) -> String {
         }
         None => "",
     };
+    let output = if spec.drops_output {
+        "each output let go before the next step (--drops-output)"
+    } else {
+        "the last output alive into the next step as in a for loop"
+    };
     format!(
         "a standard step of {}{compiled}: zero_grad, forward, loss, backward{scaler}, optimizer \
          step; {STEPS_PER_TRIAL} steps per trial (two far below the limit when the second \
-         leaves memory as the first did), the last output alive into the next step as in a for \
-         loop; at the limit your own loop can differ by a sample or two (the order it frees \
-         memory in): --step FN sizes your own step exactly",
+         leaves memory as the first did), {output}; at the limit your own loop can differ by a \
+         sample or two (the order it frees memory in): --step FN sizes your own step exactly",
         spec.target
     )
 }
@@ -1290,22 +1302,37 @@ fn step_sample_bytes(trials: &[search::Trial]) -> Option<f64> {
 /// times as many: a denoiser's 2 samples' worth came to none (maxbatch-truth-2026-12-06e), a
 /// bf16 Llama's 3 to 7 (-06f), a masked autoencoder's 4 to 17 (-06n: its loop fitted 578,
 /// the same loop keeping the output 561).
-fn held_output_note(sample_bytes: u64, max_fit: u64, step_sample_bytes: f64) -> Option<String> {
+fn held_output_note(
+    sample_bytes: u64,
+    max_fit: u64,
+    step_sample_bytes: f64,
+    dropped: bool,
+) -> Option<String> {
     let held = sample_bytes.saturating_mul(max_fit);
     let more = (held as f64 / step_sample_bytes).floor();
     if !(1.0..1e9).contains(&more) {
         return None;
     }
-    Some(format!(
-        "the last step's output, {} a sample ({} at {max_fit}), lives into the next step's \
-         forward here, as `out = model(x)` or `logits, loss = model(x, y)` in a for loop keeps \
-         it; a loop that drops it first (`loss = model(x, y)[1]`, `model(**batch).loss`, `del \
-         out`) has about {more} samples' worth more room by its bytes, which has come to \
-         anything from none to four times as many samples, as the cache fragments: --step FN \
-         sizes yours exactly",
-        human_bytes(sample_bytes),
-        human_bytes(held),
-    ))
+    let (sample, held) = (human_bytes(sample_bytes), human_bytes(held));
+    Some(if dropped {
+        format!(
+            "--drops-output: each step's output, {sample} a sample ({held} at {max_fit}), was \
+             let go before the next forward, as your loop lets it go; a loop that keeps it \
+             (`out = model(x)`, or `outputs = model(**batch)` then `outputs.loss`, in a for \
+             loop) has about {more} samples' worth less room by its bytes, more as the cache \
+             fragments: size such a loop without --drops-output"
+        )
+    } else {
+        format!(
+            "the last step's output, {sample} a sample ({held} at {max_fit}), lives into the \
+             next step's forward here, as `out = model(x)` or `logits, loss = model(x, y)` in a \
+             for loop keeps it; a loop that drops it first (`loss = model(x, y)[1]`, \
+             `model(**batch).loss`, `del out`, a Trainer's or Lightning's training_step) has \
+             about {more} samples' worth more room by its bytes, which has come to anything \
+             from none to four times as many samples, as the cache fragments: --drops-output \
+             sizes such a loop, --step FN yours exactly"
+        )
+    })
 }
 
 fn notes(prepared: &Prepared) -> Vec<String> {
@@ -1581,21 +1608,26 @@ mod tests {
     fn an_output_held_into_the_next_forward_is_a_note_where_it_is_a_sample_or_more() {
         // nanoGPT's logits on an H100 (maxbatch-truth-2026-12-06): 206 MB a sample, the step
         // about 1.2 GB a sample, 15 fitted where a loop dropping the logits fitted 17.
-        let note = held_output_note(206_045_184, 15, 1.25e9).expect("a note");
+        let note = held_output_note(206_045_184, 15, 1.25e9, false).expect("a note");
         assert!(note.contains("196 MiB a sample (2.88 GiB at 15)"), "{note}");
         assert!(note.contains("about 2 samples' worth more room"), "{note}");
+        assert!(note.contains("--drops-output sizes such a loop"), "{note}");
+        // Asked to size a loop that drops it: the same bytes, said the other way round.
+        let dropped = held_output_note(206_045_184, 15, 1.25e9, true).expect("a note");
+        assert!(dropped.starts_with("--drops-output: each step's output, 196 MiB a sample"));
+        assert!(dropped.contains("about 2 samples' worth less room"), "{dropped}");
         // A ResNet-50's thousand scores a sample, against its 100 MB a sample: nothing to say.
-        assert_eq!(held_output_note(4000, 2000, 1e8), None);
-        assert_eq!(held_output_note(206_045_184, 15, 0.0), None);
+        assert_eq!(held_output_note(4000, 2000, 1e8, false), None);
+        assert_eq!(held_output_note(206_045_184, 15, 0.0, false), None);
         // A denoiser's images (maxbatch-truth-2026-12-06e): 2 samples of 583; a masked
         // autoencoder's prediction (-06n): 4 of 557, which came to 17 in its loop; a
         // deep-supervised UNet's maps: 20 of 513.
-        let images = held_output_note(196_608, 583, 4.0e7).expect("a note");
+        let images = held_output_note(196_608, 583, 4.0e7, false).expect("a note");
         assert!(images.contains("about 2 samples' worth"), "{images}");
-        let pred = held_output_note(301_840, 557, 4.04e7).expect("a note");
+        let pred = held_output_note(301_840, 557, 4.04e7, false).expect("a note");
         assert!(pred.contains("about 4 samples' worth"), "{pred}");
         assert!(pred.contains("from none to four times"), "{pred}");
-        let maps = held_output_note(1_720_320, 513, 4.3e7).expect("a note");
+        let maps = held_output_note(1_720_320, 513, 4.3e7, false).expect("a note");
         assert!(maps.contains("about 20 samples' worth"), "{maps}");
         // That run's trials: 4 and 15 ran, 16 did not; 8 between.
         let trial = |batch, peak: Option<u64>| search::Trial {
