@@ -439,7 +439,8 @@ def test_json_without_a_gpu_is_the_cells_value_with_no_batch_size(notebook):
 
 def test_drops_output_is_taken_through_the_kernel_and_stated(notebook):
     _, kc = notebook
-    reply, outputs = execute(kc, "%maxbatch lm --input 8 --drops-output --json", timeout=120)
+    reply, outputs = execute(kc, "%maxbatch lm --input 8 --optimizer-from opt --drops-output --json",
+                             timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
     v = [o["content"]["data"]["application/json"] for o in outputs
          if o["msg_type"] == "execute_result"][0]

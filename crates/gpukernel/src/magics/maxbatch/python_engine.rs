@@ -1615,7 +1615,10 @@ mod tests {
         // Asked to size a loop that drops it: the same bytes, said the other way round.
         let dropped = held_output_note(206_045_184, 15, 1.25e9, true).expect("a note");
         assert!(dropped.starts_with("--drops-output: each step's output, 196 MiB a sample"));
-        assert!(dropped.contains("about 2 samples' worth less room"), "{dropped}");
+        assert!(
+            dropped.contains("about 2 samples' worth less room"),
+            "{dropped}"
+        );
         // A ResNet-50's thousand scores a sample, against its 100 MB a sample: nothing to say.
         assert_eq!(held_output_note(4000, 2000, 1e8, false), None);
         assert_eq!(held_output_note(206_045_184, 15, 0.0, false), None);
