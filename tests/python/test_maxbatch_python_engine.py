@@ -444,7 +444,7 @@ def test_drops_output_is_taken_through_the_kernel_and_stated(notebook):
     assert reply["content"]["status"] == "ok", reply["content"]
     v = [o["content"]["data"]["application/json"] for o in outputs
          if o["msg_type"] == "execute_result"][0]
-    assert "each output let go before the next step (--drops-output)" in \
+    assert "only the loss kept, the output let go before backward (--drops-output)" in \
         v["assumptions"]["step"], v
     assert_untouched(kc)
     # A step function's loop is its own: the option is refused, and nothing runs.
@@ -1244,14 +1244,25 @@ def test_the_held_output_is_counted_as_the_loop_holds_it(trials):
 @pytest.mark.parametrize("drops, alive", [(False, True), (True, False)])
 def test_the_last_output_lives_into_the_next_forward_unless_the_loop_drops_it(trials, drops,
                                                                              alive):
-    """By default each step's output is still alive at the next forward, as `out = model(x)`
-    in a for loop keeps it; with --drops-output (`loss = model(**batch).loss`, a Trainer's
-    step) it is gone by then, the loss a loop keeps to log being a scalar of its own."""
+    """By default each step's output is alive through its backward and into the next
+    forward, as `out = model(x)` in a for loop keeps it; with --drops-output (`loss =
+    model(**batch).loss`, `criterion(model(x), y)`) it is gone once the loss is computed,
+    before backward, the loss a loop keeps to log being a scalar of its own."""
     import weakref
 
     import torch
 
-    last, seen = [None], []
+    last, seen, at_backward = [None], [], []
+
+    class Probe(torch.autograd.Function):  # sees, in backward, whether the output lives
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            at_backward.append(last[0]() is not None)
+            return grad
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -1260,7 +1271,7 @@ def test_the_last_output_lives_into_the_next_forward_unless_the_loop_drops_it(tr
 
         def forward(self, x):
             seen.append(last[0] is not None and last[0]() is not None)
-            out = self.lin(x)
+            out = Probe.apply(self.lin(x))
             last[0] = weakref.ref(out)
             return out
 
@@ -1273,6 +1284,7 @@ def test_the_last_output_lives_into_the_next_forward_unless_the_loop_drops_it(tr
     assert call(trials, ns, "trial", batch=4, steps=3)["result"] == "ran"
     assert len(seen) >= 2 and seen[0] is False, seen
     assert set(seen[1:]) == {alive}, seen
+    assert at_backward and set(at_backward) == {alive}, at_backward
     call(trials, ns, "close")
 
 

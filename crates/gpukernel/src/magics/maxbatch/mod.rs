@@ -181,10 +181,11 @@ pub(super) struct Args {
     /// Forward only, no gradients (serving).
     #[arg(long)]
     pub(super) inference: bool,
-    /// Your loop lets go of the model's output before its next forward (`loss =
-    /// model(**batch).loss`, a Trainer's or Lightning's training_step): size that loop. By
-    /// default the last output lives into the next forward, as `out = model(x)` in a for
-    /// loop keeps it (the safe side).
+    /// Your loop keeps only the loss of each forward, not its output (`loss =
+    /// model(**batch).loss`, `loss = criterion(model(x), y)`, a Trainer's or Lightning's
+    /// training_step): size that loop, whose output goes before backward. By default the
+    /// output lives on into the next step's forward, as `out = model(x)` in a for loop keeps
+    /// it (the safe side).
     #[arg(long, conflicts_with_all = ["step", "inference"])]
     pub(super) drops_output: bool,
     /// CUDA device ordinal (default: the model's device, or the current one).

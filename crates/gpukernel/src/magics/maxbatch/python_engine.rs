@@ -47,7 +47,7 @@ pub(super) struct Spec {
     pub(super) optimizer: Option<&'static str>,
     pub(super) optimizer_from: Option<String>,
     pub(super) inference: bool,
-    /// `--drops-output`: each step lets go of its output before the next forward.
+    /// `--drops-output`: each step keeps only its loss; the output goes before backward.
     pub(super) drops_output: bool,
     pub(super) device: Option<usize>,
     /// `--loss`: "own" makes the step train on the model's own loss; the others leave it to
@@ -1136,7 +1136,7 @@ fn standard_step_text(args: &Args, spec: &Spec, d: &Described) -> String {
         None => "",
     };
     let output = if spec.drops_output {
-        "each output let go before the next step (--drops-output)"
+        "only the loss kept, the output let go before backward (--drops-output)"
     } else {
         "the last output alive into the next step as in a for loop"
     };
@@ -1317,18 +1317,19 @@ fn held_output_note(
     Some(if dropped {
         format!(
             "--drops-output: each step's output, {sample} a sample ({held} at {max_fit}), was \
-             let go before the next forward, as your loop lets it go; a loop that keeps it \
-             (`out = model(x)`, or `outputs = model(**batch)` then `outputs.loss`, in a for \
-             loop) has about {more} samples' worth less room by its bytes, more as the cache \
-             fragments: size such a loop without --drops-output"
+             let go once its loss was computed, as your loop keeps only the loss; a loop that \
+             keeps it (`out = model(x)`, or `outputs = model(**batch)` then `outputs.loss`, in \
+             a for loop) has about {more} samples' worth less room by its bytes, more as the \
+             cache fragments: size such a loop without --drops-output"
         )
     } else {
         format!(
             "the last step's output, {sample} a sample ({held} at {max_fit}), lives into the \
              next step's forward here, as `out = model(x)` or `logits, loss = model(x, y)` in a \
-             for loop keeps it; a loop that drops it first (`loss = model(x, y)[1]`, \
-             `model(**batch).loss`, `del out`, a Trainer's or Lightning's training_step) has \
-             about {more} samples' worth more room by its bytes, which has come to anything \
+             for loop keeps it; a loop that keeps only the loss (`loss = model(x, y)[1]`, \
+             `model(**batch).loss`, `criterion(model(x), y)`, a Trainer's or Lightning's \
+             training_step) has about {more} samples' worth more room by its bytes, which has \
+             come to anything \
              from none to four times as many samples, as the cache fragments: --drops-output \
              sizes such a loop, --step FN yours exactly"
         )

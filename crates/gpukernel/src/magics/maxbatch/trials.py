@@ -850,7 +850,7 @@ class ModuleStep:
         floats = [p for p in model.parameters() if p.is_floating_point()]
         self.dtype = floats[0].dtype if floats else torch.float32
         self.inference = bool(spec.get("inference"))
-        # --drops-output: the user's loop lets go of the output before its next forward.
+        # --drops-output: the user's loop keeps only the loss of each forward.
         self.drops_output = bool(spec.get("drops_output"))
         self.amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.get("amp"))
         self.input = spec.get("input")
@@ -1376,6 +1376,8 @@ class ModuleStep:
             with self._autocast():
                 out = self._step_forward(x, batch)
                 loss = self._loss(out)
+                if self.drops_output:  # only the loss kept, as `loss = model(**batch).loss`:
+                    out = None  # noqa: F841 (the output goes before backward)
             if scaler is not None:
                 scaler.scale(loss).backward()
                 if opt is not None:
@@ -1385,8 +1387,6 @@ class ModuleStep:
                 loss.backward()
                 if opt is not None:
                     opt.step()
-            if self.drops_output:  # as `loss = model(**batch).loss` or a Trainer's step
-                out = None  # noqa: F841 (the loss, a scalar, stays as a loop keeps it to log)
             yield
 
     def _closure_steps(self, batch):
