@@ -395,6 +395,16 @@ def report_of(kc, cell):
     return " ".join(stream_text(outputs).split())
 
 
+def json_value_of(kc, cell):
+    """The value of a `%maxbatch ... --json` cell that succeeded: its one execute_result."""
+    reply, outputs = execute(kc, cell, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    values = [o["content"]["data"]["application/json"] for o in outputs
+              if o["msg_type"] == "execute_result"]
+    assert len(values) == 1, outputs
+    return values[0]
+
+
 def assert_untouched(kc):
     _, outputs = execute(kc, UNCHANGED, timeout=60)
     assert stream_text(outputs).strip() == "True True []", outputs
@@ -420,13 +430,7 @@ def test_a_module_step_is_checked_and_the_state_survives_it(notebook):
 
 def test_json_without_a_gpu_is_the_cells_value_with_no_batch_size(notebook):
     _, kc = notebook
-    reply, outputs = execute(kc, "%maxbatch lm --input 8 --optimizer-from opt --amp bf16 --json",
-                             timeout=120)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    values = [o["content"]["data"]["application/json"] for o in outputs
-              if o["msg_type"] == "execute_result"]
-    assert len(values) == 1, outputs
-    v = values[0]
+    v = json_value_of(kc, "%maxbatch lm --input 8 --optimizer-from opt --amp bf16 --json")
     assert v["max_batch"] is None and v["recommended"] is None and v["gpu"] is False, v
     assert v["checked"] == "one step of batch 2 ran on the cpu", v
     assert v["assumptions"]["precision"].startswith("bf16 autocast"), v
@@ -439,11 +443,7 @@ def test_json_without_a_gpu_is_the_cells_value_with_no_batch_size(notebook):
 
 def test_drops_output_is_taken_through_the_kernel_and_stated(notebook):
     _, kc = notebook
-    reply, outputs = execute(kc, "%maxbatch lm --input 8 --optimizer-from opt --drops-output --json",
-                             timeout=120)
-    assert reply["content"]["status"] == "ok", reply["content"]
-    v = [o["content"]["data"]["application/json"] for o in outputs
-         if o["msg_type"] == "execute_result"][0]
+    v = json_value_of(kc, "%maxbatch lm --input 8 --optimizer-from opt --drops-output --json")
     assert "only the loss kept, the output let go before backward (--drops-output)" in \
         v["assumptions"]["step"], v
     assert_untouched(kc)
