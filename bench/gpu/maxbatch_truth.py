@@ -770,6 +770,11 @@ ROWS = {
                                       "weights=torch.bfloat16, opt=fused_adamw); "
                                       "own_loss.add('hf_llama_bf16w_labels_dropped')",
                                       "hf_llama_bf16w_labels_dropped --input 512 --drops-output", False),
+    # A model and loop --drops-output was not written against: GPT-2 (124M) trained on its own
+    # labels loss, as Hugging Face users train it (2026-12-06, the review's check).
+    "hf_gpt2_labels_dropped": ("make('hf_gpt2_labels_dropped', hf_gpt2, tokens(50257, 512)); "
+                               "own_loss.add('hf_gpt2_labels_dropped')",
+                               "hf_gpt2_labels_dropped --input 512 --drops-output", False),
     "tutorial_seqfirst_fp32": ("make('tutorial_seqfirst_fp32', TutorialLM, seq_tokens(32000, 256))",
                                "tutorial_seqfirst_fp32 --input 256", False),
 }
