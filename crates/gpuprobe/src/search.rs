@@ -425,7 +425,9 @@ impl<'a> State<'a> {
             };
         };
         let top = self.hi.map_or(max, |hi| hi - 1).max(lo + 1);
-        let geometric = |hi: u64| ((lo as f64 * hi as f64).sqrt() as u64).max(lo + 1);
+        // Rounded up: a failure, likelier above the middle, costs less than a fit, and
+        // rounded down a bracket whose answer is at its top climbed one sample at a time.
+        let geometric = |hi: u64| ((lo as f64 * hi as f64).sqrt().ceil() as u64).max(lo + 1);
         let failures = self.failures_in_a_row();
         // The band has missed: failures in a row, or all of it at or above a failure.
         let missed = failures == BIAS.len()
@@ -984,6 +986,41 @@ mod tests {
             "{result:?}"
         );
         assert!(result.settled && result.trials.len() <= 10, "{result:?}");
+    }
+
+    #[test]
+    fn a_maximum_below_the_band_is_bisected_towards_the_top() {
+        // A language model with a frozen backbone trained by a `--step` function, as measured
+        // on an H200 under a 24 GiB cap (maxbatch-truth-2026-12-06w, gpt_frozen_step): its
+        // allocated peak at the maximum, 65, is 0.83 of the limit, below the band, so three
+        // trials in the band fail. The bisection that follows rounds its middles up, where a
+        // failure (cheaper than a fit) is likelier: rounded down it climbed 61, 63, 64, 65, 66
+        // and took 11 trials.
+        let line = |b: u64| 804_381_992 + b * 315_727_286;
+        let config = SearchConfig {
+            limit: 24 * GIB,
+            max_batch: 1 << 16,
+            tolerance: 0.015,
+            held: 494_467_072,
+            ..SearchConfig::default()
+        };
+        let probe = |b: u64| {
+            Ok(if b > 65 {
+                Outcome::OutOfMemory
+            } else {
+                Outcome::Ran {
+                    peak: line(b),
+                    reserved: 0,
+                    phases: None,
+                }
+            })
+        };
+        let result = search(&config, probe);
+        let failed: Vec<u64> = result.trials[2..5].iter().map(|t| t.batch).collect();
+        assert!(result.trials[2..5].iter().all(|t| !t.fits), "{result:?}");
+        assert_eq!(failed, [75, 69, 67], "{result:?}");
+        assert_eq!(result.max_fit, Some(65), "{result:?}");
+        assert!(result.exact && result.trials.len() <= 9, "{result:?}");
     }
 
     #[test]

@@ -1,14 +1,14 @@
 //! The search replayed against memory curves measured in users' own training loops on an H200
 //! and an H100 (`bench/gpu/maxbatch_truth.py`, committed under `bench/results/`: the runs named
-//! in `RUNS`, every one that recorded the truth's curve up to 2026-12-06u but for three models
-//! named below, 204 model runs of 38 models whose maxima moved between runs; the first 112
+//! in `RUNS`, every one that recorded the truth's curve up to 2026-12-06w but for the models
+//! named below, 207 model runs of 41 models whose maxima moved between runs; the first 112
 //! runs, of 17 models, up to 2026-12-04f). Each curve is the peak allocated and reserved bytes of the
 //! notebook's loop at a set of batch sizes, and its true maximum from an exact bisection of that
 //! loop. A replayed trial interpolates the curve; a batch above the true maximum runs out of
 //! memory. The issue's search targets hold here: every answer within 1.5% below the truth, at
 //! most 10 trials, 6 in the median (7 with the trial that runs the recommendation). Its time
 //! target (a third of Lightning's double-then-bisect to the exact maximum) does not: by the
-//! cost model below the search alone costs 0.390 of the baseline's compute on the same curves,
+//! cost model below the search alone costs 0.391 of the baseline's compute on the same curves,
 //! and 0.494 with the trial %maxbatch adds to run its recommendation (unless the search ran
 //! that batch); 0.377 and 0.481 on the first 112 runs. Both are guarded at their level, not
 //! passed off as the target. (On the 18 survey curves alone they were 0.340 and 0.450; biasing
@@ -67,7 +67,7 @@ struct Held {
 
 /// The runs replayed, named so that a new run committed under bench/results changes nothing
 /// here until it is added (and the levels below measured again).
-const RUNS: [&str; 41] = [
+const RUNS: [&str; 42] = [
     "maxbatch-survey-2026-12-03-run2.json",
     "maxbatch-survey-2026-12-03.json",
     "maxbatch-truth-2026-12-03-run2a.json",
@@ -109,6 +109,7 @@ const RUNS: [&str; 41] = [
     "maxbatch-truth-2026-12-06p.json",
     "maxbatch-truth-2026-12-06r.json",
     "maxbatch-truth-2026-12-06u.json",
+    "maxbatch-truth-2026-12-06w.json",
 ];
 
 /// Models whose curves cannot be replayed: a curve holds each probe's whole peak, and at their
@@ -117,8 +118,13 @@ const RUNS: [&str; 41] = [
 /// phase peaks (7 trials each in maxbatch-truth-2026-12-06n, where whole peaks took 12 and 13
 /// in -06m); a curve has no phases, so replayed they would take the whole peaks' path. Their
 /// line is replayed, with phases, in search.rs (`an_update_that_peaks_above_small_batches_...`).
-const UPDATE_PEAKS_AT_SMALL_BATCHES: [&str; 3] =
-    ["mae_vitb_bf16", "mae_vitb_bf16_held", "hf_vitmae_bf16"];
+const UPDATE_PEAKS_AT_SMALL_BATCHES: [&str; 5] = [
+    "mae_vitb_bf16",
+    "mae_vitb_bf16_held",
+    "hf_vitmae_bf16",
+    "mae_vitb_bf16_dropped",
+    "hf_vitmae_bf16_dropped",
+];
 
 fn surveys() -> Vec<(PathBuf, Survey)> {
     // At run time, not `env!`: a test binary cargo reuses from a checkout at another path
@@ -300,7 +306,6 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
             confirmed_counts.push(result.trials.len() + usize::from(confirm.is_some()));
         }
     }
-    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     counts.sort_unstable();
     confirmed_counts.sort_unstable();
     let median = counts[counts.len() / 2];
@@ -319,9 +324,10 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
         "cost: the search {search_only:.3} of the baseline's, with the confirming trial \
          {confirmed:.3}"
     );
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     // The issue's third is not met, by the search alone or with the confirming trial (a trial
     // near the maximum): guards against regressions at the levels measured, not the target
-    // (0.390 and 0.494 over the runs through -06u; the runs' own mix moves them by a few
+    // (0.391 and 0.494 over the runs through -06w; the runs' own mix moves them by a few
     // thousandths as curves are added).
     assert!(
         search_only <= 0.395,
