@@ -575,6 +575,16 @@ def hf_llama_bf16w_step(batch):   # --step on the pure-bf16 Llama with fused Ada
 def hf_t5_step(batch):   # --step: seq2seq with labels, as T5 users train
     train("t5", batch, 1)
 
+def hf_mixtral():  # a mixture of experts (Mixtral-style, 8 experts, top 2; 8 layers, d 512),
+    # trained as its users train it: labels and the router's load-balancing loss. Its experts
+    # see as many tokens as the router sends them, so a step's memory moves with the data.
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralForCausalLM(MixtralConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536,
+                                            num_hidden_layers=8, num_attention_heads=8,
+                                            num_key_value_heads=4, num_local_experts=8,
+                                            num_experts_per_tok=2, max_position_embeddings=1024,
+                                            output_router_logits=True))
+
 def fingerprint(name):
     # What a trial could change in the user's state, summed: equal before and after %maxbatch.
     m, opt = models[name], opts[name]
@@ -775,6 +785,11 @@ ROWS = {
     "hf_gpt2_labels_dropped": ("make('hf_gpt2_labels_dropped', hf_gpt2, tokens(50257, 512)); "
                                "own_loss.add('hf_gpt2_labels_dropped')",
                                "hf_gpt2_labels_dropped --input 512 --drops-output", False),
+    # A model whose memory moves with its data (2026-12-07): a mixture of experts, whose experts
+    # get as many tokens as the router sends them, under bf16 autocast with its own loss.
+    "hf_mixtral_bf16_labels": ("make('hf_mixtral_bf16_labels', hf_mixtral, tokens(32000, 512), torch.bfloat16); "
+                               "own_loss.add('hf_mixtral_bf16_labels')",
+                               "hf_mixtral_bf16_labels --input 512 --amp bf16", False),
     "tutorial_seqfirst_fp32": ("make('tutorial_seqfirst_fp32', TutorialLM, seq_tokens(32000, 256))",
                                "tutorial_seqfirst_fp32 --input 256", False),
 }
