@@ -709,6 +709,91 @@ mod tests {
         }
     }
 
+    // scancel signals the batch script and the launcher at once; the launcher's "stopping"
+    // mark can land while the script removes the runtime directory, which then survives
+    // (seen in CI: `test_a_job_ended_from_outside_ends_the_tunnel_with_its_state`). The
+    // race is made certain here by an `rm` that lets that write land in its first removal.
+    #[cfg(unix)]
+    #[test]
+    fn a_write_during_the_removal_does_not_leave_the_runtime_directory_behind() {
+        use std::os::unix::fs::PermissionsExt;
+        use std::process::{Command, Stdio};
+        use std::time::{Duration, Instant};
+
+        let dir = tempfile::tempdir().expect("temp dir");
+        let tmp = dir.path();
+        let rt = tmp.join("tunnel-jupyter.test");
+        std::fs::create_dir(&rt).expect("runtime dir");
+        for name in ["jupyter.pid", "token", "jupyter.log"] {
+            std::fs::write(rt.join(name), "x").expect("a runtime file");
+        }
+        let bin = tmp.join("bin");
+        std::fs::create_dir(&bin).expect("bin dir");
+        let fake_rm = bin.join("rm");
+        std::fs::write(
+            &fake_rm,
+            "#!/bin/sh\n\
+             # The first removal of a directory: its files go, then the launcher's mark lands.\n\
+             if [ ! -e \"$TMPDIR/raced\" ] && [ \"$1\" = -rf ]; then\n\
+               : > \"$TMPDIR/raced\"\n\
+               /bin/rm -rf \"$2\"/*\n\
+               : > \"$2/stopping\"\n\
+               exit 1\n\
+             fi\n\
+             exec /bin/rm \"$@\"\n",
+        )
+        .expect("fake rm");
+        std::fs::set_permissions(&fake_rm, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        // The launcher, alive until the script is signalled (as scancel leaves it).
+        let mut launcher = Command::new("sleep").arg("30").spawn().expect("sleep");
+        std::fs::write(
+            tmp.join("tunnel-slurm-7.k1"),
+            format!("{} {}\n", launcher.id(), rt.display()),
+        )
+        .expect("step file");
+        let path = format!(
+            "{}:{}",
+            bin.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let mut script = Command::new("/bin/sh")
+            .arg("-c")
+            .arg(batch_script("k1"))
+            .env("TMPDIR", tmp)
+            .env("SLURM_JOB_ID", "7")
+            .env("PATH", path)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("batch script");
+        std::thread::sleep(Duration::from_millis(300));
+        let term = Command::new("kill")
+            .args(["-TERM", &script.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(term.success());
+        let started = Instant::now();
+        let status = loop {
+            if let Some(status) = script.try_wait().expect("wait") {
+                break status;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the script did not end"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let _ = launcher.kill();
+        let _ = launcher.wait();
+        assert!(status.success(), "{status:?}");
+        assert!(tmp.join("raced").exists(), "the race was not staged");
+        assert!(
+            !rt.exists(),
+            "left behind: {:?}",
+            std::fs::read_dir(&rt).map(|d| d.count())
+        );
+        assert!(!tmp.join("tunnel-slurm-7.k1").exists());
+    }
+
     #[test]
     fn srun_runs_the_same_reader_as_exec_command() {
         assert!(EXEC_COMMAND.contains(STDIN_SCRIPT));

@@ -12,10 +12,23 @@ grace=TUNNEL_GRACE_SECS
 f=${TMPDIR:-/tmp}/tunnel-slurm-$SLURM_JOB_ID.TUNNEL_STEP_KEY
 # The launcher removes its runtime directory when it stops Jupyter, unless
 # it is killed first (scancel, the time limit, srun gone): then this does.
+# Signalled with this script, the launcher may still write into it (its
+# "stopping" mark) while rm runs, and a file made then leaves the directory
+# behind: removed again until it is gone (made only once, it stays gone).
 cleanup() {
   if [ -s "$f" ]; then
     read -r pid rt <"$f"
-    case ${rt:-} in */tunnel-jupyter.*) rm -rf "$rt" ;; esac
+    case ${rt:-} in
+      */tunnel-jupyter.*)
+        tries=0
+        while [ -d "$rt" ] && [ "$tries" -lt 50 ]; do
+          rm -rf "$rt" 2>/dev/null
+          [ -d "$rt" ] || break
+          sleep 0.1 2>/dev/null || sleep 1
+          tries=$((tries + 1))
+        done
+        ;;
+    esac
   fi
   rm -f "$f"
 }
