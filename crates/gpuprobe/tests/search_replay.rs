@@ -220,6 +220,96 @@ fn confirmation(result: &SearchResult) -> Option<u64> {
     (!ran).then_some(rec)
 }
 
+/// One row's curve replayed: our search (and its confirming trial) and the baseline's.
+struct Replayed {
+    /// What happened, for the log and a failure's message.
+    what: String,
+    /// Why it misses a target, if it does.
+    wrong: Option<String>,
+    trials: usize,
+    /// `trials` with the confirming trial, where %maxbatch adds one.
+    confirmed_trials: usize,
+    /// Sample-steps: the search's, the search's and its confirming trial's, the baseline's,
+    /// and an oracle's after the same openings.
+    costs: (f64, f64, f64, f64),
+}
+
+fn replay(row: &Row, limit: u64, path: &std::path::Path) -> Replayed {
+    let mut points: Vec<(u64, u64, u64)> = row
+        .curve
+        .iter()
+        .filter(|p| p.1)
+        .map(|p| (p.0, p.2, p.3))
+        .collect();
+    points.sort_unstable();
+    points.dedup_by_key(|p| p.0);
+    // Two points interpolate; a small maximum (nanoGPT's 15) leaves the truth no more.
+    assert!(points.len() >= 2, "{}: too few points", row.model);
+    let truth = row.true_max;
+    let config = SearchConfig {
+        limit,
+        max_batch: 1 << 16,
+        tolerance: TOLERANCE,
+        held: row.held.as_ref().map_or(0, |h| h.allocated),
+        ..SearchConfig::default()
+    };
+    let probe = |b: u64| -> Result<Outcome, Stop> {
+        if b > truth {
+            return Ok(Outcome::OutOfMemory);
+        }
+        let (peak, reserved) = interpolate(&points, b);
+        // A batch that fits in the loop fits here too, whatever the line says.
+        Ok(Outcome::Ran {
+            peak: peak.min(limit),
+            reserved: reserved.min(limit),
+            phases: None,
+        })
+    };
+    let result = search(&config, probe);
+    let exact = SearchConfig {
+        tolerance: 0.0,
+        max_trials: 40,
+        ..config
+    };
+    let baseline = double_then_bisect(&exact, 2, probe);
+    assert_eq!(baseline.max_fit, Some(truth), "{}", row.model);
+    let confirm = confirmation(&result);
+    let confirm_cost = confirm.map_or(0.0, |b| {
+        b as f64 * fit_steps(interpolate(&points, b).1, limit)
+    });
+    let search_cost = cost(&result, limit);
+    let baseline_cost = cost(&baseline, limit);
+    let found = result.max_fit.unwrap_or(0);
+    let tried: Vec<(u64, bool)> = result.trials.iter().map(|t| (t.batch, t.fits)).collect();
+    let what = format!(
+        "{} ({}): found {found}, true {truth}, cost {:.2} of the baseline's {} trials, \
+         trials {tried:?}, then confirmed {confirm:?}",
+        row.model,
+        path.display(),
+        (search_cost + confirm_cost) / baseline_cost,
+        baseline.trials.len(),
+    );
+    let wrong = if !(found <= truth && found as f64 >= truth as f64 / (1.0 + TOLERANCE)) {
+        Some(format!("outside the tolerance: {what}"))
+    } else if result.trials.len() > 10 {
+        Some(format!("more than 10 trials: {what}"))
+    } else {
+        None
+    };
+    Replayed {
+        what,
+        wrong,
+        trials: result.trials.len(),
+        confirmed_trials: result.trials.len() + usize::from(confirm.is_some()),
+        costs: (
+            search_cost,
+            search_cost + confirm_cost,
+            baseline_cost,
+            oracle_cost(&result, &points, truth, limit),
+        ),
+    }
+}
+
 #[test]
 fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_cost() {
     let surveys = surveys();
@@ -227,9 +317,8 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
     let mut counts = Vec::new();
     let mut confirmed_counts = Vec::new();
     let mut wrong = Vec::new();
-    // (the search's, the search's and its confirming trial's, the baseline's)
-    let mut costs = (0.0, 0.0, 0.0);
-    let mut oracle = 0.0;
+    // (the search's, the search's and its confirming trial's, the baseline's, an oracle's)
+    let mut costs = (0.0, 0.0, 0.0, 0.0);
     for (path, survey) in &surveys {
         let limit = (survey.cap_gib * (1u64 << 30) as f64) as u64;
         for row in survey
@@ -238,72 +327,15 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
             .filter(|r| r.engine == "python" && r.curve.len() >= 3)
             .filter(|r| !UPDATE_PEAKS_AT_SMALL_BATCHES.contains(&r.model.as_str()))
         {
-            let mut points: Vec<(u64, u64, u64)> = row
-                .curve
-                .iter()
-                .filter(|p| p.1)
-                .map(|p| (p.0, p.2, p.3))
-                .collect();
-            points.sort_unstable();
-            points.dedup_by_key(|p| p.0);
-            // Two points interpolate; a small maximum (nanoGPT's 15) leaves the truth no more.
-            assert!(points.len() >= 2, "{}: too few points", row.model);
-            let truth = row.true_max;
-            let config = SearchConfig {
-                limit,
-                max_batch: 1 << 16,
-                tolerance: TOLERANCE,
-                held: row.held.as_ref().map_or(0, |h| h.allocated),
-                ..SearchConfig::default()
-            };
-            let probe = |b: u64| -> Result<Outcome, Stop> {
-                if b > truth {
-                    return Ok(Outcome::OutOfMemory);
-                }
-                let (peak, reserved) = interpolate(&points, b);
-                // A batch that fits in the loop fits here too, whatever the line says.
-                Ok(Outcome::Ran {
-                    peak: peak.min(limit),
-                    reserved: reserved.min(limit),
-                    phases: None,
-                })
-            };
-            let result = search(&config, probe);
-            let exact = SearchConfig {
-                tolerance: 0.0,
-                max_trials: 40,
-                ..config
-            };
-            let baseline = double_then_bisect(&exact, 2, probe);
-            assert_eq!(baseline.max_fit, Some(truth), "{}", row.model);
-            let confirm = confirmation(&result);
-            let confirm_cost = confirm.map_or(0.0, |b| {
-                b as f64 * fit_steps(interpolate(&points, b).1, limit)
-            });
-            let ours = cost(&result, limit) + confirm_cost;
-            costs.0 += cost(&result, limit);
-            costs.1 += ours;
-            costs.2 += cost(&baseline, limit);
-            oracle += oracle_cost(&result, &points, truth, limit);
-            let found = result.max_fit.unwrap_or(0);
-            let tried: Vec<(u64, bool)> = result.trials.iter().map(|t| (t.batch, t.fits)).collect();
-            let what = format!(
-                "{} ({}): found {found}, true {truth}, cost {:.2} of the baseline's {} trials, \
-                 trials {tried:?}, then confirmed {confirm:?}",
-                row.model,
-                path.display(),
-                ours / cost(&baseline, limit),
-                baseline.trials.len(),
-            );
-            if !(found <= truth && found as f64 >= truth as f64 / (1.0 + TOLERANCE)) {
-                wrong.push(format!("outside the tolerance: {what}"));
-            }
-            if result.trials.len() > 10 {
-                wrong.push(format!("more than 10 trials: {what}"));
-            }
-            eprintln!("{what}");
-            counts.push(result.trials.len());
-            confirmed_counts.push(result.trials.len() + usize::from(confirm.is_some()));
+            let replayed = replay(row, limit, path);
+            eprintln!("{}", replayed.what);
+            wrong.extend(replayed.wrong);
+            counts.push(replayed.trials);
+            confirmed_counts.push(replayed.confirmed_trials);
+            costs.0 += replayed.costs.0;
+            costs.1 += replayed.costs.1;
+            costs.2 += replayed.costs.2;
+            costs.3 += replayed.costs.3;
         }
     }
     counts.sort_unstable();
@@ -314,7 +346,7 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
     let (search_only, confirmed) = (costs.0 / costs.2, costs.1 / costs.2);
     // What knowing the answer would save: the rest of the search's cost is the price of not
     // knowing where in the band the cache's fragmentation puts the limit.
-    let oracle = oracle / costs.2;
+    let oracle = costs.3 / costs.2;
     eprintln!("an oracle after the same openings: {oracle:.3} of the baseline's");
     assert!(
         oracle < search_only,
