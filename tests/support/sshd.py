@@ -95,6 +95,35 @@ def _keygen(path: Path, comment: str) -> None:
     )
 
 
+STALE_PYENV_LOCK_S = 10
+
+
+def clear_stale_pyenv_lock() -> bool:
+    """Removes pyenv's rehash lock where a killed rehash left it; whether it did.
+
+    The sessions log in as the invoking user with that user's own profile.
+    Where it sets up pyenv (`eval "$(pyenv init -)"` in ~/.bashrc, as on the
+    CI machines), every login runs `pyenv rehash`, which holds
+    $PYENV_ROOT/shims/.pyenv-shim while it writes its shims. A shell killed
+    in that moment (scancel, SIGKILL: tests do both) leaves the file, and
+    every later login then waits 60 s for it: one slurm test's kill made
+    eight later tests time out (2026-12-07). A rehash holds it for well
+    under a second, so one still there STALE_PYENV_LOCK_S after it was made
+    is such a leftover (the rehashes waiting on it cannot tell, and give up
+    only after 60 s). Waits for a younger one to go or to grow that old.
+    """
+    lock = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "shims" / ".pyenv-shim"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:
+            return False
+        if age >= STALE_PYENV_LOCK_S:
+            lock.unlink(missing_ok=True)
+            return True
+        time.sleep(0.2)
+
+
 class Sshd:
     """One sshd on listen_host:port with everything it needs in `workdir`.
 
@@ -136,6 +165,7 @@ class Sshd:
     # -- lifecycle ---------------------------------------------------------
 
     def start(self, detach: bool = False) -> "Sshd":
+        clear_stale_pyenv_lock()
         try:
             os.makedirs("/run/sshd", exist_ok=True)  # privilege separation dir (root only)
         except PermissionError:
