@@ -790,6 +790,9 @@ ROWS = {
     "hf_mixtral_bf16_labels": ("make('hf_mixtral_bf16_labels', hf_mixtral, tokens(32000, 512), torch.bfloat16); "
                                "own_loss.add('hf_mixtral_bf16_labels')",
                                "hf_mixtral_bf16_labels --input 512 --amp bf16", False),
+    "hf_mixtral_bf16_labels_dropped": ("make('hf_mixtral_bf16_labels_dropped', hf_mixtral, tokens(32000, 512), "
+                                       "torch.bfloat16); own_loss.add('hf_mixtral_bf16_labels_dropped')",
+                                       "hf_mixtral_bf16_labels_dropped --input 512 --amp bf16 --drops-output", False),
     "tutorial_seqfirst_fp32": ("make('tutorial_seqfirst_fp32', TutorialLM, seq_tokens(32000, 256))",
                                "tutorial_seqfirst_fp32 --input 256", False),
 }
