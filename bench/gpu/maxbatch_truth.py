@@ -49,6 +49,10 @@ TIMING = os.environ.get("TIMING") == "1"
 # LIBTORCH_ONLY=1: the libtorch engine's search alone on each row's module (no python engine,
 # no truth): its trials and their phase peaks.
 LIBTORCH_ONLY = os.environ.get("LIBTORCH_ONLY") == "1"
+# LEAN=1: ours, the in-harness baseline, the truth and the 30 steps, without the Lightning
+# procedure (a fresh kernel per row) and the libtorch rows: what fits the device's minutes
+# where every step is long (CAP_GIB near the whole card).
+LEAN = os.environ.get("LEAN") == "1"
 
 MODELS = r"""
 import copy, gc, math, time
@@ -937,6 +941,8 @@ def searches(nb, key, args, lightning):
             "baseline_max": base.get("max_batch"), "baseline_timings_ms": base.get("timings_ms")}
     if ours.get("max_batch"):
         row["time_vs_baseline"] = ours["seconds"] / max(1e-9, base.get("seconds") or 1e-9)
+    if LEAN:
+        return row
     lp = lightning()
     row["lightning_procedure"] = lp
     if ours.get("max_batch"):
@@ -1024,7 +1030,7 @@ def main() -> int:
                 log(f"   row {json.dumps({k: v for k, v in row.items() if k != 'trial_list'})}")
             results["rows"].append(row)
             save()
-            if libtorch and not SURVEY and not TIMING:
+            if libtorch and not (SURVEY or TIMING or LEAN):
                 results["rows"].append(libtorch_row(nb, name, args, row["true_max"]))
                 save()
             nb.run(f"drop({key!r})")
