@@ -48,19 +48,26 @@ def header(d):
           "our maximum, from a fresh optimizer. Baseline: the same magic with "
           "`--search double-bisect` (Lightning's finder with its defaults on the same step: from 2, "
           "doubling, bisecting to the exact maximum) inside our harness: our collection, cache "
-          "and restore between its trials, so it measures the algorithm alone. Lightning "
-          "procedure (`lp`): the competitor as it runs in the notebook, without gpukernel: "
-          "Lightning's binsearch with its defaults on the same loop, `garbage_collection_cuda()` "
-          "(gc.collect, empty_cache) before every trial and after an OOM, trials going on from "
-          "the last one's weights and optimizer state, the model and optimizer saved to host "
-          "memory before and loaded after (Lightning writes a checkpoint file)"
-          + (", in a kernel of its own started for it, warmed by one step at batch 2 as ours "
-             "was (in ours every shape the searches tried is already set up)"
-             if d.get("lp_kernel") == "fresh" else
-             ", in the same kernel after ours and the baseline (the shapes they tried set up "
-             "already)") + ".\n")
+          "and restore between its trials, so it measures the algorithm alone."
+          + (lp_text(d) if any("lightning_procedure" in r for r in d["rows"]) else
+             " No Lightning procedure in this run (LEAN=1).") + "\n")
     if "interrupt" in d:
         print(f"Interrupt in the middle of a search: {json.dumps(d['interrupt'])}\n")
+
+
+def lp_text(d):
+    """The Lightning procedure's columns: what they measure, and in which kernel."""
+    kernel = (", in a kernel of its own started for it, warmed by one step at batch 2 as ours "
+              "was (in ours every shape the searches tried is already set up)"
+              if d.get("lp_kernel") == "fresh" else
+              ", in the same kernel after ours and the baseline (the shapes they tried set up "
+              "already)")
+    return (" Lightning procedure (`lp`): the competitor as it runs in the notebook, without "
+            "gpukernel: Lightning's binsearch with its defaults on the same loop, "
+            "`garbage_collection_cuda()` (gc.collect, empty_cache) before every trial and after "
+            "an OOM, trials going on from the last one's weights and optimizer state, the model "
+            "and optimizer saved to host memory before and loaded after (Lightning writes a "
+            "checkpoint file)" + kernel + ".")
 
 
 def table(rows):
