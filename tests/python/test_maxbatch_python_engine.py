@@ -776,9 +776,10 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
                                                     "(AssertionError: targets should not be "
                                                     "none when in training mode)"),
     ("%maxbatch detector --input 3x8x8", "targets should not be none when in training mode; "
-                                         "and with targets too (none could be made for this "
-                                         "input); check --input (the shape of one sample; "
-                                         "--vocab N for token ids), or if it needs its targets "
+                                         "and with targets too (none could be shaped: without "
+                                         "them its forward gives no output to shape them by, "
+                                         "and the input is not token ids); check --input (the "
+                                         "shape of one sample), or if it needs its targets "
                                          "in another form (a detection model's boxes and "
                                          "labels per image) or more than one input: write a "
                                          "function"),
@@ -1366,6 +1367,165 @@ def test_token_ids_are_found_from_the_embedding_the_input_reaches_first(trials):
     # Floats that fail anywhere else are still the user's to fix, with what was tried.
     reply, _ = _seq_first_prepare(trials, torch.nn.Linear(8, 2), input=[5])
     assert reply["refused"].startswith("model(x) failed for x of shape (2, 5) (float32)")
+
+
+def test_a_float_model_whose_first_layer_is_a_position_table_is_fed_floats(trials):
+    """A learned position Embedding registered first reads as a token model; its ids fail
+    where the input meets a Linear, so the probe tries floats, which it takes."""
+    import torch
+
+    class PosFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Embedding(10, 8)
+            self.proj = torch.nn.Linear(3, 8)
+            self.head = torch.nn.Linear(8, 5)
+        def forward(self, x):
+            return self.head((self.proj(x) + self.pos(torch.arange(x.shape[1]))).mean(1))
+
+    reply, seen = _seq_first_prepare(trials, PosFirst(), input=[10, 3])
+    assert seen == (5, 10, 3)
+    d = reply["describe"]
+    assert d["vocab"] is None and d["input_dtype"] == "float32", d
+    assert reply["output"]["shape"] == [2, 5]
+
+    # Where floats fail too, the refusal says both, not "token ids" alone (CLIP's text tower
+    # registered first, its forward needing its images as well).
+    class NeedsBoth(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = torch.nn.Embedding(30, 4)
+            self.lin = torch.nn.Linear(4, 4)
+        def forward(self, x):
+            raise ValueError("You have to specify pixel_values")
+
+    reply, _ = _seq_first_prepare(trials, NeedsBoth(), input=[3, 8, 8])
+    assert reply["refused"].startswith(
+        "model(x) failed for x of shape (2, 3, 8, 8), as token ids (its first layer is an "
+        "Embedding): ValueError: You have to specify pixel_values; and as float32: ValueError: "
+        "You have to specify pixel_values; check --input"), reply
+
+
+def test_token_sequences_longer_than_the_position_table_are_refused_before_any_forward(trials):
+    """On a GPU, a position past the table is a device-side assert that ends CUDA in the
+    user's process: the length is checked against the table (and a Hugging Face config's
+    stated limit, which OPT's offset table exceeds) before the probe runs the model."""
+    import types
+    import torch
+
+    class GPT2ish(torch.nn.Module):
+        def __init__(self, table=16, stated=None):
+            super().__init__()
+            self.wte = torch.nn.Embedding(30, 4)
+            self.wpe = torch.nn.Embedding(table, 4)
+            self.head = torch.nn.Linear(4, 30)
+            self.calls = 0
+            if stated is not None:
+                self.config = types.SimpleNamespace(max_position_embeddings=stated)
+        def forward(self, x):
+            self.calls += 1
+            return self.head(self.wte(x) + self.wpe(torch.arange(x.shape[1])))
+
+    for model, length, limit in ((GPT2ish(), 17, 16), (GPT2ish(18, stated=16), 17, 16)):
+        ns = {"m": model}
+        reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "m",
+                                                  "input": [length]})
+        assert reply["refused"].startswith(
+            f"m.wpe holds positions for {limit} tokens, and --input asks for sequences of "
+            f"{length}"), reply
+        assert f"Use --input {limit} (or less)" in reply["refused"]
+        assert model.calls == 0
+    # At the table's length it runs.
+    reply, seen = _seq_first_prepare(trials, GPT2ish(), input=[16])
+    assert "refused" not in reply and seen == (5, 16)
+
+
+def test_segmentation_labels_come_at_the_inputs_size_when_the_models_loss_takes_them(trials):
+    """SegFormer's logits are a quarter of the image's size each way, and its loss scales
+    them up to the masks, which a loop passes at the image's size: the step does so too. A
+    loss that cannot take them so gets masks at the logits' size."""
+    import torch
+    import torch.nn.functional as F
+
+    class SegQuarter(torch.nn.Module):
+        def __init__(self, upsamples=True):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 4, stride=4)
+            self.upsamples = upsamples
+        def forward(self, x, labels=None):
+            logits = self.conv(x)
+            if labels is None:
+                return logits
+            if self.upsamples:
+                logits = F.interpolate(logits, size=labels.shape[-2:], mode="bilinear")
+            return F.cross_entropy(logits, labels), logits
+
+    for upsamples, masks in ((True, (5, 16, 16)), (False, (5, 4, 4))):
+        model = SegQuarter(upsamples)
+        ns = {"model": model}
+        reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                                  "input": [3, 16, 16]})
+        own = reply["output"]["own_loss"]
+        assert own["targets"] == (
+            "ids < 4 shaped [2, 16, 16] at batch 2, the input's size" if upsamples
+            else "ids < 4 shaped [2, 4, 4] at batch 2"), own
+        labels = []
+        handle = model.register_forward_pre_hook(
+            lambda _m, _a, kw: labels.append(kw.get("labels")), with_kwargs=True)
+        try:
+            assert call(trials, ns, "trial", batch=5, steps=2)["result"] == "ran"
+        finally:
+            handle.remove()
+            call(trials, ns, "close")
+        assert labels and all(tuple(t.shape) == masks and t.max() < 4 for t in labels)
+
+
+def test_a_models_loss_on_values_gets_values_as_its_targets(trials):
+    """A regression's targets (or multi-label ones) are values shaped like the output, not
+    class ids: where ids give no loss, the step trains on the loss the model computes from
+    values."""
+    import torch
+    import torch.nn.functional as F
+
+    class Reg(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(20, 3)
+        def forward(self, x, targets=None):
+            y = self.net(x)
+            return y if targets is None else (y, F.mse_loss(y, targets))
+
+    model = Reg()
+    ns = {"model": model}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                              "input": [20]})
+    own = reply["output"]["own_loss"]
+    assert own["targets"] == "float32 values shaped like the output, [2, 3] at batch 2", own
+    seen = []
+    handle = model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw.get("targets")), with_kwargs=True)
+    try:
+        assert call(trials, ns, "trial", batch=5, steps=2)["result"] == "ran"
+    finally:
+        handle.remove()
+        call(trials, ns, "close")
+    assert seen and all(t.shape == (5, 3) and t.is_floating_point() for t in seen)
+
+
+def test_a_forward_that_takes_keywords_only_is_refused_with_what_to_do(trials):
+    import torch
+
+    class KeywordsOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+        def forward(self, *, pixel_values):
+            return self.lin(pixel_values)
+
+    reply, _ = _seq_first_prepare(trials, KeywordsOnly(), input=[4])
+    assert reply["refused"].startswith(
+        "model.forward takes no positional argument (only pixel_values, by keyword), while "
+        "%maxbatch MODULE calls it with one tensor of --input: write a function"), reply
 
 
 def test_the_loss_is_computed_on_the_first_tensor_that_is_not_a_scalar(trials):

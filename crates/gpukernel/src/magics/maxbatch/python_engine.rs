@@ -1041,7 +1041,8 @@ fn validate_without_gpu(
     let text = format!(
         "No CUDA GPU is visible to torch in your Python kernel ({}), so there is no GPU memory \
          to size against.\nChecked the step instead: {said}; {}.\n{}{warning}\
-         Run %maxbatch where the notebook has a GPU for the search.\n",
+         Run %maxbatch where the notebook has a GPU for the search (its trials run the steps \
+         said above; this check ran one).\n",
         prepared.describe.torch,
         state_back(check.step_fn),
         super::report::assumption_lines(a),

@@ -24,7 +24,8 @@ A trial is one of:
   backward (through a ``GradScaler`` for fp16); the optimizer step. As in a ``for`` loop, the
   previous step's output is still alive while the next forward runs. The probe's forward
   (``probe_output``) reads from the model what its loop feeds it: token ids for an Embedding
-  the input reaches first, the batch on dim 1 for a seq-first layer, and targets for a
+  the input reaches first (never longer than a learned position table: past it a GPU's
+  lookup is a device-side assert), the batch on dim 1 for a seq-first layer, and targets for a
   forward that takes them (nanoGPT's `targets`, a Hugging Face model's `labels`), whose own
   loss the step then trains on; without targets, a scalar loss the forward returns computed
   from its output (MAE's `(loss, pred, mask)`), which the step trains on alone, or adds to
@@ -760,6 +761,14 @@ def _rescaled(shape, main):
     return len(shape) == len(main) >= 4 and shape[:2] == main[:2] and shape[2:] != main[2:]
 
 
+def _names_positions(rel):
+    """Whether a layer's dotted name says it holds positions (BERT's position_embeddings,
+    GPT-2's wpe, BART's and Whisper's embed_positions, a pos_emb of one's own)."""
+    import re
+    return any(part.startswith("pos") or part == "wpe"
+               for part in re.split(r"[._]", rel.lower()))
+
+
 def _token_layers(torch):
     """The layers that take token ids (EmbeddingBag is not an Embedding)."""
     return (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -856,6 +865,9 @@ class ModuleStep:
         self.input = spec.get("input")
         self.vocab = spec.get("vocab")
         self.vocab_from = None
+        # Token ids guessed from the first layer registered: tried as floats too if they fail
+        # (a positional table may be registered before the layer the input reaches).
+        self.vocab_guessed = False
         if self.input is None:
             raise MaxBatchError(f"%maxbatch {self.name} needs --input SHAPE, the shape of one "
                                 "sample (e.g. 3x224x224 for images, 512 with --vocab N for "
@@ -876,6 +888,7 @@ class ModuleStep:
                           and next(m.parameters(False), None) is not None), None)
             if isinstance(first, _token_layers(torch)):
                 self.vocab, self.vocab_from = first.num_embeddings, type(first).__name__
+                self.vocab_guessed = True
         if not self.inference and not any(p.requires_grad for p in model.parameters()):
             raise MaxBatchError(f"{self.name} has no trainable parameters (none with "
                                 "requires_grad), so a training step has nothing to train: "
@@ -1123,6 +1136,15 @@ class ModuleStep:
             target, high = shape[:-1], shape[-1]
         elif len(shape) >= 4:  # [batch, classes, H, W, ...]: a class per position
             target, high = [shape[0], *shape[2:]], shape[1]
+            spatial = list(self.input[1:])
+            if (not self.vocab and len(self.input) == len(shape) - 1 and shape[0] == PROBE_BATCH
+                    and spatial != shape[2:] and high > 1):
+                # A segmentation model's masks come at the image's size, and its loss scales
+                # the logits up to them (SegFormer's: a quarter of the size each way), which
+                # is the memory a loop that passes them trains with.
+                candidates.append((f"ids < {high} shaped {[PROBE_BATCH, *spatial]} at batch "
+                                   f"{PROBE_BATCH}, the input's size", [PROBE_BATCH, *spatial],
+                                   0, high))
         else:
             return candidates
         at = [d for d in (self.batch_dim or 0, 0) if d < len(target)
@@ -1130,6 +1152,11 @@ class ModuleStep:
         if at and high > 1:
             candidates.append((f"ids < {high} shaped {target} at batch {PROBE_BATCH}",
                                target, at[0], high))
+        if shape[0] == PROBE_BATCH:
+            # A regression's targets, or multi-label ones (BCE): values, not class ids.
+            candidates.append((f"{str(self.dtype).replace('torch.', '')} values shaped like "
+                               f"the output, {list(shape)} at batch {PROBE_BATCH}",
+                               list(shape), 0, None))
         return candidates
 
     def _own_loss_alone(self, refused):
@@ -1144,7 +1171,8 @@ class ModuleStep:
             # torchvision's detection models refuse to train without targets, and theirs
             # (boxes and labels per image) are nothing a shape can make.
             tried = ("; ".join(self.own_tried) if self.own_tried
-                     else "none could be made for this input")
+                     else "none could be shaped: without them its forward gives no output to "
+                     "shape them by, and the input is not token ids")
             raise MaxBatchError(
                 f"{refused.head}; and with {parameter} too ({tried}); check {refused.check}, or "
                 f"if it needs its {parameter} in another form (a detection model's boxes and "
@@ -1215,6 +1243,8 @@ class ModuleStep:
         torch = self.torch
         shape = list(own["shape"])
         shape[own["batch_at"]] = batch
+        if own["high"] is None:  # values, not class ids
+            return torch.randn(shape, device=self.device, dtype=self.dtype)
         return torch.randint(0, own["high"], shape, device=self.device)
 
     def _step_forward(self, x, batch):
@@ -1253,11 +1283,15 @@ class ModuleStep:
         Floats that fail in an Embedding the input reaches first are tried once as token
         ids."""
         torch = self.torch
+        if self.vocab:
+            self._check_positions()
         x = self.make_input(PROBE_BATCH)
         watch = _Watch(torch, self.model, self.name, x, leaves=False)
         out, failure = self._forward(x, watch)
         if failure is None:
             return out, watch
+        if self.vocab_guessed and not tokens_tried:
+            return self._as_floats(tuple(x.shape), failure)
         if self.vocab is None and not tokens_tried and any(
                 isinstance(m, _token_layers(torch)) for m in self.model.modules()):
             # Which layer the input reaches first: hooked on a second try, which fails as the
@@ -1272,6 +1306,62 @@ class ModuleStep:
                                    "input reaches")
                 return self._watched_forward(tokens_tried=True)
         raise self._forward_failed(tuple(x.shape), failure)
+
+    def _as_floats(self, shape, failure):
+        """The probe's forward with floats, where token ids guessed from the first layer
+        registered failed: a model may register a positional table before the layer its
+        input reaches (a float sequence model with a learned position Embedding). Floats
+        that fail in an Embedding say the ids were right, and their failure is the one told."""
+        torch = self.torch
+        guessed = self.vocab, self.vocab_from
+        self.vocab, self.vocab_from, self.vocab_guessed = None, None, False
+        x = self.make_input(PROBE_BATCH)
+        watch = _Watch(torch, self.model, self.name, x, leaves=False)
+        out, as_floats = self._forward(x, watch)
+        if as_floats is None:
+            return out, watch
+        self.vocab, self.vocab_from = guessed
+        self.vocab_guessed = True
+        fed = []
+        handles = [m.register_forward_pre_hook(
+            lambda _m, args: fed.append(bool(args) and torch.is_tensor(args[0])
+                                        and args[0].is_floating_point()))
+            for m in self.model.modules() if isinstance(m, _token_layers(torch))]
+        try:
+            self._forward(x, None, eager=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        refusal = self._forward_failed(shape, failure)
+        if any(fed) or not isinstance(refusal, _ForwardFailed):  # or no single tensor will do
+            raise refusal
+        dtype = str(self.dtype).replace("torch.", "")
+        raise _ForwardFailed(
+            failure,
+            f"{self.name}(x) failed for x of shape {shape}, as token ids (its first layer is "
+            f"an {guessed[1]}): {failure}; and as {dtype}: {as_floats}",
+            "--input (the shape of one sample) and --vocab N for token ids")
+
+    def _check_positions(self):
+        """Refuses token sequences longer than a learned position table holds: past it the
+        lookup is an index out of range, on the GPU a device-side assert that ends CUDA in
+        the user's process for good (a wrong shape is an ordinary exception)."""
+        length = self.input[-1]
+        config = getattr(self.model, "config", None)
+        # A Hugging Face model's own limit: OPT's and BART's tables hold 2 more (an offset).
+        stated = [getattr(config, a, None) for a in ("max_position_embeddings", "n_positions")]
+        stated = [n for n in stated if isinstance(n, int) and n > 0]
+        for rel, module in self.model.named_modules():
+            if not (isinstance(module, self.torch.nn.Embedding) and _names_positions(rel)):
+                continue
+            limit = min([module.num_embeddings, *stated])
+            if length > limit:
+                raise MaxBatchError(
+                    f"{self.name}.{rel} holds positions for {limit} tokens, and --input asks "
+                    f"for sequences of {length}: a position past its table is an index out of "
+                    f"range, which on a GPU ends CUDA in your kernel for good. Use --input "
+                    f"{'x'.join(map(str, [*self.input[:-1], limit]))} (or less), the longest "
+                    f"sequence {self.name} takes")
 
     def _forward(self, x, watch, targets=None, eager=False):
         """(the output, None), or (None, the failure's text): only the text is kept, since
@@ -1307,11 +1397,36 @@ class ModuleStep:
             return MaxBatchError(
                 f"{self.name}.forward needs {len(needed)} arguments ({', '.join(needed)}), "
                 f"while %maxbatch MODULE calls it with one tensor of --input: {STEP_HINT}")
+        keywords = self._keyword_only()
+        if keywords is not None:
+            return MaxBatchError(
+                f"{self.name}.forward takes no positional argument (only {keywords}, by "
+                f"keyword), while %maxbatch MODULE calls it with one tensor of --input: "
+                f"{STEP_HINT}")
         what = "token ids" if self.vocab else str(self.dtype).replace("torch.", "")
         head = f"{self.name}(x) failed for x of shape {shape} ({what}): {failure}"
-        check = ("--input (the shape of one sample) and --vocab" if self.vocab else
-                 "--input (the shape of one sample; --vocab N for token ids)")
+        if self.vocab:
+            check = "--input (the shape of one sample) and --vocab"
+        elif len(self.input) == 1:  # a sequence's length: maybe token ids
+            check = "--input (the shape of one sample; --vocab N for token ids)"
+        else:
+            check = "--input (the shape of one sample)"
         return _ForwardFailed(failure, head, check)
+
+    def _keyword_only(self):
+        """The forward's keyword-only arguments, where it takes no positional one (a builtin
+        forward's signature cannot be read: None)."""
+        import inspect
+        signature = self._forward_signature()
+        if signature is None:
+            return None
+        params = signature.parameters.values()
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                      inspect.Parameter.VAR_POSITIONAL)
+        if any(p.kind in positional for p in params):
+            return None
+        names = [p.name for p in params if p.kind == inspect.Parameter.KEYWORD_ONLY]
+        return ", ".join(names) if names else "keyword arguments"
 
     def _autocast(self):
         import contextlib
