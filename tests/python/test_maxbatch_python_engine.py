@@ -1439,6 +1439,38 @@ def test_token_sequences_longer_than_the_position_table_are_refused_before_any_f
     reply, seen = _seq_first_prepare(trials, GPT2ish(), input=[16])
     assert "refused" not in reply and seen == (5, 16)
 
+    # Only a table beside the token table counts: CLIP's vision tower has one of its own (17
+    # patches), which a text of 20 tokens never meets; nor does a float model's own table,
+    # with more features than positions, whose ids (guessed from it) are tried as floats.
+    class TwoTowers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.text = torch.nn.Module()
+            self.text.token_embedding = torch.nn.Embedding(30, 4)
+            self.text.position_embedding = torch.nn.Embedding(32, 4)
+            self.vision = torch.nn.Module()
+            self.vision.position_embedding = torch.nn.Embedding(17, 4)
+            self.head = torch.nn.Linear(4, 30)
+        def forward(self, x):
+            t = self.text
+            return self.head(t.token_embedding(x) + t.position_embedding(torch.arange(x.shape[1])))
+
+    reply, seen = _seq_first_prepare(trials, TwoTowers(), input=[20])
+    assert "refused" not in reply and seen == (5, 20), reply
+
+    class PosWide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = torch.nn.Embedding(8, 4)
+            self.proj = torch.nn.Linear(12, 4)
+            self.head = torch.nn.Linear(4, 3)
+        def forward(self, x):
+            return self.head((self.proj(x) + self.pos(torch.arange(x.shape[1]))).mean(1))
+
+    reply, seen = _seq_first_prepare(trials, PosWide(), input=[8, 12])
+    assert "refused" not in reply and seen == (5, 8, 12), reply
+    assert reply["describe"]["vocab"] is None
+
 
 def test_segmentation_labels_come_at_the_inputs_size_when_the_models_loss_takes_them(trials):
     """SegFormer's logits are a quarter of the image's size each way, and its loss scales

@@ -1351,9 +1351,7 @@ class ModuleStep:
         # A Hugging Face model's own limit: OPT's and BART's tables hold 2 more (an offset).
         stated = [getattr(config, a, None) for a in ("max_position_embeddings", "n_positions")]
         stated = [n for n in stated if isinstance(n, int) and n > 0]
-        for rel, module in self.model.named_modules():
-            if not (isinstance(module, self.torch.nn.Embedding) and _names_positions(rel)):
-                continue
+        for rel, module in self._position_tables():
             limit = min([module.num_embeddings, *stated])
             if length > limit:
                 raise MaxBatchError(
@@ -1362,6 +1360,25 @@ class ModuleStep:
                     f"range, which on a GPU ends CUDA in your kernel for good. Use --input "
                     f"{'x'.join(map(str, [*self.input[:-1], limit]))} (or less), the longest "
                     f"sequence {self.name} takes")
+
+    def _position_tables(self):
+        """The learned position tables that token ids are looked up beside: an Embedding
+        named for positions with a token Embedding under the same parent (GPT-2's wte and
+        wpe; BERT's, CLIP's text tower's), not one the input never reaches (CLIP's vision
+        tower's, a float model's own)."""
+        torch = self.torch
+        by_parent = {}
+        # Tied tables (BART's encoder and decoder share the token table) under every name.
+        for rel, module in self.model.named_modules(remove_duplicate=False):
+            if isinstance(module, torch.nn.Embedding):
+                parent, _, leaf = rel.rpartition(".")
+                by_parent.setdefault(parent, []).append((_names_positions(leaf), rel, module))
+        tables = []
+        for layers in by_parent.values():
+            positions = [(rel, module) for is_table, rel, module in layers if is_table]
+            if len(positions) < len(layers):
+                tables.extend(positions)
+        return tables
 
     def _forward(self, x, watch, targets=None, eager=False):
         """(the output, None), or (None, the failure's text): only the text is kept, since
@@ -1548,7 +1565,7 @@ class ModuleStep:
 
     def describe(self):
         return {"optimizer": self.optimizer_name + self._optimizer_note(),
-                "vocab": self.vocab, "vocab_from": self.vocab_from,
+                "vocab": self.vocab or None, "vocab_from": self.vocab_from,
                 "batch_dim": self.batch_dim or 0, "batch_dim_from": self.batch_dim_from,
                 "batch_warning": self.batch_warning,
                 "weights_dtype": str(self.dtype).replace("torch.", ""),
