@@ -43,6 +43,7 @@ import gc
 import importlib
 import sys
 import time
+import warnings
 
 
 # A trial's steps end early (Session._run_steps) only with the cache at most this fraction of
@@ -1193,10 +1194,17 @@ class ModuleStep:
             own = {"parameter": parameter, "targets": words, "shape": target,
                    "batch_at": batch_at, "high": high}
             x = self.make_input(PROBE_BATCH)
-            out, failure = self._forward(x, None, {parameter: self._targets(own, PROBE_BATCH)})
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                out, failure = self._forward(x, None,
+                                             {parameter: self._targets(own, PROBE_BATCH)})
             if failure is not None:
+                # A guess that failed: what it warned of (a shape the loss would broadcast)
+                # is not the user's to read.
                 tried.append(f"{words}: {failure}")
                 continue
+            for w in said:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             found = _returned_loss(torch, out)
             if found is None:
                 tried.append(f"{words}: no scalar loss in what it returned")
