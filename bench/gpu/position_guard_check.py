@@ -18,7 +18,6 @@ Writes $OUT/position_guard_check.json.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -27,7 +26,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trials_in_process import call, load_trials  # noqa: E402
+
 OUT = Path(os.environ.get("OUT", "."))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TABLE = 64
@@ -60,18 +61,6 @@ def unguarded_child():
     except Exception as err:  # noqa: BLE001
         found["cuda_after"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
     print(json.dumps(found))
-
-
-def load_trials():
-    spec = importlib.util.spec_from_file_location(
-        "_gpukernel_maxbatch_bench", ROOT / "crates/gpukernel/src/magics/maxbatch/trials.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def call(trials, ns, name, **args):
-    return json.loads(trials.call(ns, name, json.dumps(args)))
 
 
 def main():

@@ -17,7 +17,6 @@ Writes $OUT/watched_restore_check.json.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -26,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trials_in_process import call, load_trials  # noqa: E402
+
 OUT = Path(os.environ.get("OUT", "."))
 BASE_GIB = float(os.environ.get("BASE_GIB", "8"))
 WIDTH = 4096
@@ -34,14 +35,6 @@ BATCHES = (4, 16, 64, 32, 48)
 SEQ = 16
 # The GPU's; on a machine without one, a smoke run of the script itself (BASE_GIB=0.05).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def load_trials():
-    spec = importlib.util.spec_from_file_location(
-        "_gpukernel_maxbatch_bench", ROOT / "crates/gpukernel/src/magics/maxbatch/trials.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class Adapted(torch.nn.Module):
@@ -65,10 +58,6 @@ class Adapted(torch.nn.Module):
         for base, down, up in zip(self.base, self.down, self.up):
             x = torch.nn.functional.gelu(base(x) + up(down(x)))
         return x
-
-
-def call(trials, ns, name, **args):
-    return json.loads(trials.call(ns, name, json.dumps(args)))
 
 
 def pinned():

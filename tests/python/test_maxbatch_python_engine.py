@@ -1370,21 +1370,28 @@ def test_token_ids_are_found_from_the_embedding_the_input_reaches_first(trials):
     assert reply["refused"].startswith("model(x) failed for x of shape (2, 5) (float32)")
 
 
-def test_a_float_model_whose_first_layer_is_a_position_table_is_fed_floats(trials):
-    """A learned position Embedding registered first reads as a token model; its ids fail
-    where the input meets a Linear, so the probe tries floats, which it takes."""
+def _pos_first(positions, features, classes):
+    """A float sequence model whose learned position table is registered first."""
     import torch
 
     class PosFirst(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.pos = torch.nn.Embedding(10, 8)
-            self.proj = torch.nn.Linear(3, 8)
-            self.head = torch.nn.Linear(8, 5)
+            self.pos = torch.nn.Embedding(positions, 8)
+            self.proj = torch.nn.Linear(features, 8)
+            self.head = torch.nn.Linear(8, classes)
         def forward(self, x):
             return self.head((self.proj(x) + self.pos(torch.arange(x.shape[1]))).mean(1))
 
-    reply, seen = _seq_first_prepare(trials, PosFirst(), input=[10, 3])
+    return PosFirst()
+
+
+def test_a_float_model_whose_first_layer_is_a_position_table_is_fed_floats(trials):
+    """A learned position Embedding registered first reads as a token model; its ids fail
+    where the input meets a Linear, so the probe tries floats, which it takes."""
+    import torch
+
+    reply, seen = _seq_first_prepare(trials, _pos_first(10, 3, 5), input=[10, 3])
     assert seen == (5, 10, 3)
     d = reply["describe"]
     assert d["vocab"] is None and d["input_dtype"] == "float32", d
@@ -1459,16 +1466,7 @@ def test_token_sequences_longer_than_the_position_table_are_refused_before_any_f
     reply, seen = _seq_first_prepare(trials, TwoTowers(), input=[20])
     assert "refused" not in reply and seen == (5, 20), reply
 
-    class PosWide(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pos = torch.nn.Embedding(8, 4)
-            self.proj = torch.nn.Linear(12, 4)
-            self.head = torch.nn.Linear(4, 3)
-        def forward(self, x):
-            return self.head((self.proj(x) + self.pos(torch.arange(x.shape[1]))).mean(1))
-
-    reply, seen = _seq_first_prepare(trials, PosWide(), input=[8, 12])
+    reply, seen = _seq_first_prepare(trials, _pos_first(8, 12, 3), input=[8, 12])
     assert "refused" not in reply and seen == (5, 8, 12), reply
     assert reply["describe"]["vocab"] is None
 

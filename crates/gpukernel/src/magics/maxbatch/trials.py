@@ -762,6 +762,11 @@ def _rescaled(shape, main):
     return len(shape) == len(main) >= 4 and shape[:2] == main[:2] and shape[2:] != main[2:]
 
 
+def _dtype_name(dtype):
+    """A torch dtype as the report says it: float32, bfloat16, int64."""
+    return str(dtype).replace("torch.", "")
+
+
 def _names_positions(rel):
     """Whether a layer's dotted name says it holds positions (BERT's position_embeddings,
     GPT-2's wpe, BART's and Whisper's embed_positions, a pos_emb of one's own)."""
@@ -1017,7 +1022,7 @@ class ModuleStep:
         tensor, where = _select_output(torch, out)
         heads = [] if self.inference else [w for w, _ in _heads(torch, out, tensor)]
         parameter = None if self.inference else self.targets_parameter
-        reply = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
+        reply = {"shape": list(tensor.shape), "dtype": _dtype_name(tensor.dtype),
                  "selected": where, "heads": heads, "targets_parameter": parameter,
                  "like_input": self._like_input(tensor.shape),
                  "output_sample_bytes": _output_bytes(torch, out, self.model) // PROBE_BATCH}
@@ -1155,7 +1160,7 @@ class ModuleStep:
                                target, at[0], high))
         if shape[0] == PROBE_BATCH:
             # A regression's targets, or multi-label ones (BCE): values, not class ids.
-            candidates.append((f"{str(self.dtype).replace('torch.', '')} values shaped like "
+            candidates.append((f"{_dtype_name(self.dtype)} values shaped like "
                                f"the output, {list(shape)} at batch {PROBE_BATCH}",
                                list(shape), 0, None))
         return candidates
@@ -1194,17 +1199,15 @@ class ModuleStep:
             own = {"parameter": parameter, "targets": words, "shape": target,
                    "batch_at": batch_at, "high": high}
             x = self.make_input(PROBE_BATCH)
-            with warnings.catch_warnings(record=True) as said:
-                warnings.simplefilter("always")
+            # Guesses: what a wrong one warns of (a shape the loss would broadcast) is not the
+            # user's to read, and the trials' steps warn of what the right one does.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 out, failure = self._forward(x, None,
                                              {parameter: self._targets(own, PROBE_BATCH)})
             if failure is not None:
-                # A guess that failed: what it warned of (a shape the loss would broadcast)
-                # is not the user's to read.
                 tried.append(f"{words}: {failure}")
                 continue
-            for w in said:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             found = _returned_loss(torch, out)
             if found is None:
                 tried.append(f"{words}: no scalar loss in what it returned")
@@ -1237,7 +1240,7 @@ class ModuleStep:
             reply = {"parameter": parameter, "targets": words, "returned": found[1],
                      "reason": reason}
             return {"own_loss": reply, "shape": list(trained.shape), "selected": trained_where,
-                    "dtype": str(trained.dtype).replace("torch.", ""), "heads": [],
+                    "dtype": _dtype_name(trained.dtype), "heads": [],
                     "output_sample_bytes": _output_bytes(torch, out, self.model) // PROBE_BATCH}
         if self.loss_requested == "own":
             raise MaxBatchError(
@@ -1323,31 +1326,29 @@ class ModuleStep:
         torch = self.torch
         guessed = self.vocab, self.vocab_from
         self.vocab, self.vocab_from, self.vocab_guessed = None, None, False
-        x = self.make_input(PROBE_BATCH)
-        watch = _Watch(torch, self.model, self.name, x, leaves=False)
-        out, as_floats = self._forward(x, watch)
-        if as_floats is None:
-            return out, watch
-        self.vocab, self.vocab_from = guessed
-        self.vocab_guessed = True
+        try:
+            return self._watched_forward(tokens_tried=True)
+        except _ForwardFailed as err:
+            as_floats = err.failure
         fed = []
         handles = [m.register_forward_pre_hook(
             lambda _m, args: fed.append(bool(args) and torch.is_tensor(args[0])
                                         and args[0].is_floating_point()))
             for m in self.model.modules() if isinstance(m, _token_layers(torch))]
         try:
-            self._forward(x, None, eager=True)
+            self._forward(self.make_input(PROBE_BATCH), None, eager=True)
         finally:
             for handle in handles:
                 handle.remove()
+        self.vocab, self.vocab_from = guessed
+        self.vocab_guessed = True
         refusal = self._forward_failed(shape, failure)
         if any(fed) or not isinstance(refusal, _ForwardFailed):  # or no single tensor will do
             raise refusal
-        dtype = str(self.dtype).replace("torch.", "")
         raise _ForwardFailed(
             failure,
             f"{self.name}(x) failed for x of shape {shape}, as token ids (its first layer is "
-            f"an {guessed[1]}): {failure}; and as {dtype}: {as_floats}",
+            f"an {guessed[1]}): {failure}; and as {_dtype_name(self.dtype)}: {as_floats}",
             "--input (the shape of one sample) and --vocab N for token ids")
 
     def _check_positions(self):
@@ -1428,7 +1429,7 @@ class ModuleStep:
                 f"{self.name}.forward takes no positional argument (only {keywords}, by "
                 f"keyword), while %maxbatch MODULE calls it with one tensor of --input: "
                 f"{STEP_HINT}")
-        what = "token ids" if self.vocab else str(self.dtype).replace("torch.", "")
+        what = "token ids" if self.vocab else _dtype_name(self.dtype)
         head = f"{self.name}(x) failed for x of shape {shape} ({what}): {failure}"
         if self.vocab:
             check = "--input (the shape of one sample) and --vocab"
@@ -1576,9 +1577,9 @@ class ModuleStep:
                 "vocab": self.vocab or None, "vocab_from": self.vocab_from,
                 "batch_dim": self.batch_dim or 0, "batch_dim_from": self.batch_dim_from,
                 "batch_warning": self.batch_warning,
-                "weights_dtype": str(self.dtype).replace("torch.", ""),
+                "weights_dtype": _dtype_name(self.dtype),
                 "input_dtype": "int64 token ids" if self.vocab else
-                str(self.dtype).replace("torch.", ""),
+                _dtype_name(self.dtype),
                 "parameters": sum(p.numel() for p in self.model.parameters()),
                 "grad_scaler": self.scaler is not None,
                 "compiled": self._compiled()}
