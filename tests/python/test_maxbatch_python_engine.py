@@ -1564,6 +1564,51 @@ def test_a_forward_that_takes_keywords_only_is_refused_with_what_to_do(trials):
         "%maxbatch MODULE calls it with one tensor of --input: write a function"), reply
 
 
+def test_a_forward_that_asks_for_a_second_optional_input_is_refused_naming_it(trials):
+    """CLIPModel's forward takes input_ids and pixel_values, both optional in its signature,
+    and fails without either: the refusal names the one it asked for. An encoder-decoder's
+    failure names its decoder's ids as well, and still trains given its labels."""
+    import torch
+    import torch.nn.functional as F
+
+    class TwoTowers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.text, self.image = torch.nn.Embedding(30, 4), torch.nn.Linear(6, 4)
+        def forward(self, input_ids=None, pixel_values=None, attention_mask=None,
+                    return_loss=None):
+            if pixel_values is None:
+                raise ValueError("You have to specify pixel_values")
+            return self.text(input_ids).mean(1) @ self.image(pixel_values).T
+
+    reply, _ = _seq_first_prepare(trials, TwoTowers(), input=[5], vocab=30)
+    assert reply["refused"].startswith(
+        "model.forward failed asking for pixel_values (ValueError: You have to specify "
+        "pixel_values), while %maxbatch MODULE calls it with one tensor of --input only: "
+        "write a function"), reply
+
+    class EncoderDecoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(30, 8), torch.nn.Linear(8, 30)
+        def forward(self, input_ids=None, decoder_input_ids=None, labels=None):
+            encoded = self.emb(input_ids)
+            if decoder_input_ids is None and labels is None:
+                raise ValueError("You have to specify either decoder_input_ids or "
+                                 "decoder_inputs_embeds")
+            logits = self.head(encoded + self.emb(F.pad(labels, (1, 0))[:, :-1]))
+            return F.cross_entropy(logits.reshape(-1, 30), labels.reshape(-1)), logits
+
+    ns = {"model": EncoderDecoder()}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                               "input": [6], "vocab": 30})
+    try:
+        assert "refused" not in reply, reply
+        assert reply["output"]["own_loss"]["parameter"] == "labels", reply
+    finally:
+        call(trials, ns, "close")
+
+
 def test_the_loss_is_computed_on_the_first_tensor_that_is_not_a_scalar(trials):
     """A model returning `(aux_loss, logits)` (or a loss first in a dict) is sized on its
     logits, not on the scalar in front of them."""

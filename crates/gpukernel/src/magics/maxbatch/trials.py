@@ -73,9 +73,9 @@ class _ForwardFailed(MaxBatchError):
     """The probe's forward failed on the input alone: `failure` (the exception's first line),
     and the parts of the message a refusal that tried targets next is built from."""
 
-    def __init__(self, failure, head, check):
-        super().__init__(f"{head}; check {check}, or if it takes more than one input: "
-                         f"{STEP_HINT}")
+    def __init__(self, failure, head, check, message=None):
+        super().__init__(message or f"{head}; check {check}, or if it takes more than one "
+                         f"input: {STEP_HINT}")
         self.failure, self.head, self.check = failure, head, check
 
 
@@ -1134,7 +1134,8 @@ class ModuleStep:
             # None: no output without targets, so no class count yet: the probe's targets
             # are zeros, in range whatever the head's size (`_probe_own_loss` reads it then).
             high = min(self.vocab, classes) if classes else 1
-            candidates.append((f"ids < {high} shaped like the input", x_shape,
+            words = f"ids < {high}" if classes else "zero ids"
+            candidates.append((f"{words} shaped like the input", x_shape,
                                self.batch_dim or 0, high))
         if shape is None:
             return candidates
@@ -1429,6 +1430,16 @@ class ModuleStep:
                 f"{self.name}.forward takes no positional argument (only {keywords}, by "
                 f"keyword), while %maxbatch MODULE calls it with one tensor of --input: "
                 f"{STEP_HINT}")
+        others = self._inputs_named_in(failure)
+        if others:
+            # CLIPModel's "You have to specify pixel_values": an optional argument the forward
+            # cannot do without besides the one tensor fed. (T5's decoder_input_ids come from
+            # its labels, which the caller still tries.)
+            head = f"{self.name}.forward failed asking for {' and '.join(others)} ({failure})"
+            return _ForwardFailed(
+                failure, head, "--input (the shape of one sample)",
+                f"{head}, while %maxbatch MODULE calls it with one tensor of --input only: "
+                f"{STEP_HINT}")
         what = "token ids" if self.vocab else _dtype_name(self.dtype)
         head = f"{self.name}(x) failed for x of shape {shape} ({what}): {failure}"
         if self.vocab:
@@ -1438,6 +1449,22 @@ class ModuleStep:
         else:
             check = "--input (the shape of one sample)"
         return _ForwardFailed(failure, head, check)
+
+    def _inputs_named_in(self, failure):
+        """The forward's optional arguments, other than the one fed, that its failure names:
+        inputs it needs together with that one."""
+        import inspect
+        import re
+        signature = self._forward_signature()
+        if signature is None:
+            return []
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        params = [p for p in signature.parameters.values() if p.kind in kinds]
+        fed = params[0].name if params else None
+        words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", failure))
+        return [p.name for p in params[1:]
+                if p.name in words and p.name != fed and p.name not in TARGET_PARAMETERS
+                and p.default is not inspect.Parameter.empty]
 
     def _keyword_only(self):
         """The forward's keyword-only arguments, where it takes no positional one (a builtin
