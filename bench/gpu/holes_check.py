@@ -1,0 +1,77 @@
+"""Where the notebook's own loop fails below a batch that fits: the fragmentation holes of
+the fp16 GPT with a GradScaler at the whole card (maxbatch-truth-2026-12-07b: %maxbatch's
+recommendation, 216, ran out of memory at the loop's second step, while 220 and 232 ran
+three). Runs maxbatch_truth.py's models and loop in this process (no kernel), once with the
+default allocator and once with expandable_segments, and records for each batch the steps of
+30 that ran and each step's allocator marks. Writes $OUT/holes_check.json.
+
+    OUT=/tmp/h CAP_GIB=76 python3 bench/gpu/holes_check.py [ROW] [BATCH ...]
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+OUT = Path(os.environ.get("OUT", "."))
+CAP_GIB = float(os.environ.get("CAP_GIB", "76"))
+
+
+def child(row, batches):
+    import maxbatch_truth as mt
+
+    ns = {}
+    exec(mt.MODELS.replace("CAP", repr(CAP_GIB)) + mt.LOOP, ns)
+    setup = mt.ROWS[row][0]
+    exec(setup, ns)
+    key = mt.STEP_KEYS.get(row, row)
+    ns["fits"](key, 2)
+    results = []
+    for kind, batch in batches:
+        t0 = time.time()
+        ns["marks"] = []
+        if kind == "loop":
+            done = ns["steps_ok"](key, batch)
+        else:  # the truth's probe: three steps in one call of the loop
+            done = 3 if ns["fits"](key, batch) else 0
+        marks = [list(m) for m in (ns.get("marks") or [])]
+        results.append({"kind": kind, "batch": batch, "steps_ok": done, "marks": marks,
+                        "seconds": round(time.time() - t0, 2)})
+        print(json.dumps(results[-1])[:300], flush=True)
+    return results
+
+
+def main():
+    if os.environ.get("HOLES_CHILD"):
+        plan = json.loads(os.environ["HOLES_CHILD"])
+        print("RESULT " + json.dumps(child(plan["row"], plan["batches"])), flush=True)
+        return 0
+    row = sys.argv[1] if len(sys.argv) > 1 else "gpt_fp16_scaler"
+    sizes = [int(b) for b in sys.argv[2:]] or [216, 216, 200, 208, 212, 220, 224, 232]
+    batches = [("loop", b) for b in sizes] + [("probe", 216), ("probe", 232)]
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "row": row, "cap_gib": CAP_GIB,
+              "gpu": subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                                     "--format=csv,noheader"], capture_output=True,
+                                    text=True).stdout.strip(), "runs": []}
+    for conf in ("", "expandable_segments:True"):
+        env = dict(os.environ, HOLES_CHILD=json.dumps({"row": row, "batches": batches}))
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if conf:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        print(f"== allocator {conf or 'default'}", flush=True)
+        proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
+                              text=True, timeout=170)
+        sys.stdout.write(proc.stdout[-4000:])
+        sys.stderr.write(proc.stderr[-2000:])
+        result = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        report["runs"].append({"alloc_conf": conf or "default", "rc": proc.returncode,
+                               "results": json.loads(result[0]) if result else None})
+        (OUT / "holes_check.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
