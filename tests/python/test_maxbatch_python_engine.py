@@ -11,6 +11,7 @@ standard step's losses."""
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import time
@@ -459,7 +460,8 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
     _, kc = notebook
     reply, outputs = execute(kc, "%maxbatch --step lm_step", timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
-    assert "such as a list, a counter or an iterator it draws from, are not put back" in \
+    assert ("and the attributes and tensors of the objects it reaches, are as they were (an "
+            "iterator it draws from, and a notebook variable it assigns, are not put back)") in \
         stream_text(outputs), stream_text(outputs)
     assert_untouched(kc)
 
@@ -1831,6 +1833,200 @@ def test_a_step_function_reaches_state_through_closures_partials_and_objects(tri
     assert hidden in found["module"].values()
 
 
+def _state_of(torch, *objects):
+    """Everything a test compares after a session: tensors by value (and identity), the rest
+    by value; modules, optimizers and schedulers through their state, generators by state."""
+    import copy
+    import random
+
+    import numpy as np
+
+    def of(obj):
+        if isinstance(obj, torch.nn.Module):
+            return ({k: v.detach().clone() for k, v in obj.state_dict().items()},
+                    [(p.requires_grad, None if p.grad is None else p.grad.clone())
+                     for p in obj.parameters()], [m.training for m in obj.modules()])
+        if isinstance(obj, torch.optim.Optimizer):
+            return (copy.deepcopy(obj.state_dict()), len(obj.param_groups),
+                    [[id(p) for p in g["params"]] for g in obj.param_groups])
+        if isinstance(obj, torch.Generator):
+            return obj.get_state().clone()
+        if isinstance(obj, np.random.Generator):
+            return copy.deepcopy(obj.bit_generator.state)
+        if isinstance(obj, random.Random):
+            return obj.getstate()
+        if torch.is_tensor(obj):
+            return obj.detach().clone()
+        if isinstance(obj, (list, tuple)):
+            return [of(o) for o in obj]
+        if hasattr(obj, "state_dict"):
+            return copy.deepcopy(obj.state_dict())
+        return copy.deepcopy(obj)
+    return [of(o) for o in objects]
+
+
+def _same(torch, a, b):
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _same(torch, a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(
+            _same(torch, x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _step_session(trials, ns, target, batches=(2, 3)):
+    """prepare, trials at `batches`, close, for a step function; the replies."""
+    reply = call(trials, ns, "prepare", spec={"kind": "step", "target": target})
+    assert "refused" not in reply, reply
+    results = [call(trials, ns, "trial", batch=b, steps=2) for b in batches]
+    closed = call(trials, ns, "close")
+    return reply, results, closed
+
+
+def test_state_two_levels_down_from_a_step_function_is_found_and_put_back(trials):
+    """A Trainer's `self.parts["model"]` and a config's `cfg.train.model`: found through the
+    step's references, put back with their scheduler's and optimizer's learning rate."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+
+    class Trainer:
+        def __init__(self):
+            m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8),
+                                    torch.nn.Linear(8, 3))
+            self.parts = {"model": m, "opt": torch.optim.AdamW(m.parameters())}
+            self.sched = torch.optim.lr_scheduler.StepLR(self.parts["opt"], 1, 0.5)
+
+        def train_step(self, bs):
+            m, o = self.parts["model"], self.parts["opt"]
+            o.zero_grad()
+            F.cross_entropy(m(torch.randn(bs, 8)), torch.randint(0, 3, (bs,))).backward()
+            o.step()
+            self.sched.step()
+
+    trainer = Trainer()
+    trainer.train_step(4)
+    model = torch.nn.Linear(8, 3)
+    cfg = types.SimpleNamespace(train=types.SimpleNamespace(
+        model=model, opt=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)))
+
+    def make_step(cfg):
+        def step(bs):
+            cfg.train.opt.zero_grad()
+            cfg.train.model(torch.randn(bs, 8)).sum().backward()
+            cfg.train.opt.step()
+        return step
+
+    ns = {"trainer": trainer, "step": make_step(cfg)}
+    ns["step"](2)
+    for target, objects in (("trainer.train_step", [trainer.parts["model"], trainer.parts["opt"],
+                                                     trainer.sched]),
+                            ("step", [model, cfg.train.opt])):
+        before = _state_of(torch, *objects)
+        _, results, _ = _step_session(trials, ns, target)
+        assert all(r["result"] == "ran" for r in results), results
+        assert _same(torch, before, _state_of(torch, *objects)), target
+
+
+def test_an_optimizer_no_reference_reaches_is_kept_before_its_first_step(trials):
+    """An optimizer held where nothing the step names leads (a registry in another module):
+    kept when it first steps, its weights and state put back, its lost gradients named."""
+    import sys
+    import types
+
+    import torch
+
+    registry = types.ModuleType("_gpukernel_test_registry")  # a module: find_state skips it
+    model = torch.nn.Linear(4, 2)
+    registry.pair = (model, torch.optim.Adam(model.parameters(), lr=0.1))
+    sys.modules[registry.__name__] = registry
+    try:
+        def step(bs):
+            import _gpukernel_test_registry as r
+            m, o = r.pair
+            o.zero_grad()
+            m(torch.randn(bs, 4)).sum().backward()
+            o.step()
+
+        step(2)
+        weight, state = model.weight.detach().clone(), _state_of(torch, registry.pair[1])
+        _, results, closed = _step_session(trials, {"step": step}, "step")
+        assert all(r["result"] == "ran" for r in results), results
+        assert torch.equal(model.weight, weight)
+        assert _same(torch, state, _state_of(torch, registry.pair[1]))
+        assert any("Adam over 2 tensors" in n for n in closed["not_kept"]), closed
+    finally:
+        del sys.modules[registry.__name__]
+
+
+def test_generators_tensors_and_attributes_a_step_reaches_are_put_back(trials):
+    """Its own random generators (torch, NumPy, random), an EMA's shadow tensors in a list
+    and its step counter, a module's list attribute a forward appends to, and a layer it
+    unfreezes with a parameter group it adds (progressive unfreezing)."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    g, rng, prng = torch.Generator().manual_seed(1), np.random.default_rng(2), random.Random(3)
+
+    class Seen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.seen = torch.nn.Linear(8, 8), []
+
+        def forward(self, x):
+            self.seen.append(x.shape[0])
+            return self.lin(x)
+
+    class Ema:  # diffusers' EMAModel's way: plain tensors in a list, a counter
+        def __init__(self, params):
+            self.shadow = [p.detach().clone() for p in params]
+            self.optimization_step = 0
+
+        def step(self, params):
+            self.optimization_step += 1
+            with torch.no_grad():
+                for s, p in zip(self.shadow, params):
+                    s.sub_(0.01 * (s - p))
+
+    model = torch.nn.Sequential(Seen(), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW(model[2].parameters())
+    ema = Ema(model.parameters())
+    state = {"unfrozen": False}
+
+    def step(bs):
+        if not state["unfrozen"]:
+            model[0].requires_grad_(True)
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-4})
+            state["unfrozen"] = True
+        x = torch.randn(bs, 8, generator=g) + torch.from_numpy(
+            rng.standard_normal((bs, 8)).astype("float32")) * prng.random()
+        opt.zero_grad()
+        F.cross_entropy(model(x), torch.randint(0, 2, (bs,), generator=g)).backward()
+        opt.step()
+        ema.step(model.parameters())
+
+    objects = [g, rng, prng, model, opt, ema.shadow]
+    before = _state_of(torch, *objects)
+    seen, counter, flags = list(model[0].seen), ema.optimization_step, dict(state)
+    _, results, closed = _step_session(trials, {"step": step}, "step")
+    assert all(r["result"] == "ran" for r in results), results
+    assert closed["not_kept"] == [], closed
+    after = _state_of(torch, *objects)
+    for name, a, b in zip(("generator", "numpy", "random", "model", "optimizer", "ema"),
+                          before, after):
+        assert _same(torch, a, b), name
+    assert model[0].seen == seen and ema.optimization_step == counter
+    assert state == flags  # a dict the step reaches: its entries are put back too
+
+
 def test_a_grad_scaler_and_scheduler_cut_mid_step_are_put_back(trials):
     import torch
 
@@ -2495,7 +2691,7 @@ def test_prepare_trial_and_close_say_where_their_time_went(trials):
 def test_a_trial_ends_once_a_step_repeats_the_one_before(trials):
     import torch
 
-    calls = []
+    calls = collections.deque()  # not a list: the session puts those back
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -2510,9 +2706,9 @@ def test_a_trial_ends_once_a_step_repeats_the_one_before(trials):
     # Nothing changes from one call to the next (no GPU memory, no scaler): the second
     # repeats the first, so the third is not run.
     result = call(trials, ns, "trial", batch=3, steps=3)
-    assert result["result"] == "ran" and result["steps"] == 2 and calls == [3, 3]
+    assert result["result"] == "ran" and result["steps"] == 2 and list(calls) == [3, 3]
     calls.clear()
-    assert call(trials, ns, "trial", batch=3, steps=1)["steps"] == 1 and calls == [3]
+    assert call(trials, ns, "trial", batch=3, steps=1)["steps"] == 1 and list(calls) == [3]
     call(trials, ns, "close")
 
 
@@ -2522,7 +2718,7 @@ def test_a_step_that_skipped_the_optimizer_is_not_taken_as_steady(trials):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-    calls = []
+    calls = collections.deque()  # not a list: the session puts those back
 
     def step(batch):
         # An overflowing loss on every call, as the first fp16 steps of a large model: the
@@ -2583,7 +2779,7 @@ def test_a_step_that_draws_from_the_users_dataloader_leaves_it_drawing_the_same(
     data = TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters())
-    drawn = []
+    drawn = collections.deque()  # not a list: the session puts those back
 
     def step(batch):
         loader = DataLoader(data, batch_size=batch, shuffle=True, num_workers=2)

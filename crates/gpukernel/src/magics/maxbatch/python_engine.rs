@@ -292,6 +292,10 @@ struct Closed {
     memory: Option<Memory>,
     #[serde(default)]
     timings_ms: BTreeMap<String, f64>,
+    /// What the trials changed and could not put back (tensors over the snapshot's budget,
+    /// an unreached optimizer's gradients), for the report's last line.
+    #[serde(default)]
+    not_kept: Vec<String>,
 }
 
 /// `trials.py` answers a request it cannot serve with `{"refused": why}`.
@@ -577,12 +581,13 @@ fn output_note(args: &Args, prepared: &Prepared, search: &SearchResult) -> Optio
 
 /// What the trials leave as it was: the state `trials.py` snapshots (modules with their
 /// weights, buffers, gradients and attributes; optimizers, schedulers, scalers; the random
-/// generators), and a word on what it cannot (other objects a step changes).
+/// generators; a step function's objects' attributes and loose tensors), and a word on what
+/// it cannot (an iterator, a notebook variable the step assigns).
 fn state_back(step_fn: bool) -> &'static str {
     if step_fn {
-        "the modules, optimizers, schedulers, scalers and random generators your step reaches \
-         are as they were (other objects it changes, such as a list, a counter or an \
-         iterator it draws from, are not put back)"
+        "the modules, optimizers, schedulers, scalers and random generators your step reaches, \
+         and the attributes and tensors of the objects it reaches, are as they were (an \
+         iterator it draws from, and a notebook variable it assigns, are not put back)"
     } else {
         "your model (weights, buffers, gradients, attributes), its optimizer and the random \
          generators are as they were"
@@ -591,9 +596,19 @@ fn state_back(step_fn: bool) -> &'static str {
 
 /// Closes the session; the report's line on what the user's kernel holds afterwards.
 fn close_line(session: &mut Session, step_fn: bool) -> String {
-    match session.close().and_then(|c| c.memory.as_ref()) {
-        Some(m) => afterwards(m, step_fn),
-        None => "afterwards: the Python session could not be closed (see the kernel log)".into(),
+    match session.close() {
+        Some(Closed {
+            memory: Some(m),
+            not_kept,
+            ..
+        }) => {
+            let mut line = afterwards(m, step_fn);
+            if !not_kept.is_empty() {
+                line.push_str(&format!("; not put back: {}", not_kept.join("; ")));
+            }
+            line
+        }
+        _ => "afterwards: the Python session could not be closed (see the kernel log)".into(),
     }
 }
 

@@ -219,17 +219,23 @@ class _Layout:
     module is as it was, not half so. (TorchScript modules keep theirs in C++ wrappers, which
     only their values' copies reach.)"""
 
-    def __init__(self, torch, module):
+    def __init__(self, torch, module, values=True):
+        """`values`: whether plain tensors' values are kept too (a module's; a plain object's
+        tensors are kept apart, within the loose tensors' budget)."""
         self.module = module
         attrs = module.__dict__
         self.registered = {kind: dict(attrs[kind]) for kind in ("_parameters", "_buffers")
                            if type(attrs.get(kind)) is dict}
         # A plain tensor's values too where it is a leaf: one made by the forward from the
         # weights (old weight_norm's `weight`) keeps its graph, and only its identity.
-        self.plain = {k: (v, _host(v) if torch.is_tensor(v) and v.grad_fn is None
+        self.plain = {k: (v, _host(v) if values and torch.is_tensor(v) and v.grad_fn is None
                           and _holds_data(torch, v) else None)
                       for k, v in attrs.items()
                       if isinstance(v, _SCALARS) or torch.is_tensor(v)}
+        # Lists and dicts it holds, by their contents (a forward that appends what it saw, or
+        # keeps activations for a hook, would keep the trials' tensors alive).
+        self.contents = {k: (v, _contents(v)) for k, v in attrs.items()
+                         if type(v) in (list, dict)}
         self.names = set(attrs)
 
     def restore(self, torch):
@@ -255,6 +261,25 @@ class _Layout:
             if value is not None:
                 with torch.no_grad():
                     v.copy_(value, non_blocking=True)
+        for k, (v, kept) in self.contents.items():
+            if attrs.get(k, attrs) is not v:
+                attrs[k] = v
+            _put_contents(v, kept)
+
+
+def _contents(container):
+    """A list's or dict's entries, by reference (`_put_contents` puts them back)."""
+    return list(container) if type(container) is list else dict(container)
+
+
+def _put_contents(container, kept):
+    """Puts `kept` back into `container` in place, where its entries changed."""
+    if type(container) is list:
+        if len(container) != len(kept) or any(a is not b for a, b in zip(container, kept)):
+            container[:] = kept
+    elif container.keys() != kept.keys() or any(container[k] is not kept[k] for k in kept):
+        container.clear()
+        container.update(kept)
 
 
 # Words a fingerprint reads per chunk: its temporaries (one chunk's weights and products,
@@ -415,12 +440,16 @@ class _Watched:
 class Snapshot:
     """Host copies of everything a trial can change, and how to put it back."""
 
-    def __init__(self, torch, modules, optimizers, scalers, schedulers, fixed=lambda p: False):
+    def __init__(self, torch, modules, optimizers, scalers, schedulers, fixed=lambda p: False,
+                 reached=None):
         """`fixed(p)`: whether the step cannot write parameter `p` (the standard step and a
         frozen weight no optimizer holds): it is not copied, so a frozen base under LoRA
         adapters costs no host memory and no copy per trial. A frozen weight the step may
-        write (the user's own step) and no optimizer holds is watched (`_Watched`)."""
+        write (the user's own step) and no optimizer holds is watched (`_Watched`).
+        `reached`: find_state's generators, loose tensors and plain objects of a step function
+        (name -> object per kind)."""
         self.torch = torch
+        reached = reached or {}
         params, buffers, watched, seen = [], [], [], set()
         optimized = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
         self.fixed_bytes = 0
@@ -445,23 +474,74 @@ class Snapshot:
                     if id(p) not in seen:
                         seen.add(id(p))
                         params.append(p)
+        self.seen = seen
+        loose, self.loose_left_out = self._loose(reached.get("tensor", {}))
         self.params = [(p, _host(p), None if p.grad is None else _host(p.grad)) for p in params]
-        self.watched = _Watched(torch, watched)
+        self.watched = _Watched(torch, watched + loose)
+        self.requires_grad = [(p, p.requires_grad) for p in params + watched]
         self.buffers = [(b, _host(b)) for b in buffers]
         every = list({id(m): m for module in modules for m in module.modules()}.values())
         self.layouts = [_Layout(torch, m) for m in every]
+        self.layouts += [_Layout(torch, o, values=False)
+                         for o in reached.get("object", {}).values()
+                         if not hasattr(o, "__next__")]  # an iterator's half would mislead
         self.flags = [(m, m.training) for m in every]
+        self.containers = [(c, _contents(c)) for c in reached.get("container", {}).values()]
         self.optimizers = [(opt, self._optimizer_state(opt)) for opt in optimizers]
         self.scalers = [(s, s.state_dict()) for s in scalers]
         self.schedulers = [(s, s.state_dict()) for s in schedulers]
         self.rng = self._rng()
+        getters = _generator_kinds(torch)
+        self.generators = [(g, put, get(g)) for g in reached.get("generator", {}).values()
+                           for cls, get, put in getters if isinstance(g, cls)]
+        self.adopted = []  # optimizers first met stepping during a trial (`adopt_optimizer`)
+
+    # Loose tensors (an EMA's shadow weights, a queue) kept at most: a step that names its
+    # dataset's tensors would otherwise copy the whole dataset to host memory.
+    LOOSE_BYTES = 4 << 30
+
+    def _loose(self, tensors):
+        """The loose tensors to keep, smallest first within LOOSE_BYTES, and the names of
+        those left out."""
+        torch = self.torch
+        fresh = sorted(((n, t) for n, t in tensors.items()
+                        if id(t) not in self.seen and _holds_data(torch, t)),
+                       key=lambda nt: nt[1].numel() * nt[1].element_size())
+        kept, left_out, total = [], [], 0
+        for name, t in fresh:
+            size = t.numel() * t.element_size()
+            if id(t) in self.seen:
+                continue  # the same tensor under two names
+            self.seen.add(id(t))
+            if total + size > self.LOOSE_BYTES:
+                left_out.append(name)
+                continue
+            total += size
+            kept.append(t)
+        return kept, left_out
+
+    def adopt_optimizer(self, opt):
+        """Keeps an optimizer met stepping during a trial that find_state did not reach (a
+        registry of the user's own): called before its step, so its state and its parameters'
+        values are still as they were (their gradients are the trial's)."""
+        if any(opt is o for o, _ in self.optimizers):
+            return
+        self.optimizers.append((opt, self._optimizer_state(opt)))
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in self.seen and _holds_data(self.torch, p):
+                    self.seen.add(id(p))
+                    self.params.append((p, _host(p), None))
+                    self.requires_grad.append((p, p.requires_grad))
+        self.adopted.append(f"{type(opt).__name__} over "
+                            f"{sum(len(g['params']) for g in opt.param_groups)} tensors")
 
     def _optimizer_state(self, opt):
         torch = self.torch
         state = {p: {k: _keep(torch, v) for k, v in entry.items()}
                  for p, entry in opt.state.items()}
-        groups = [{k: _keep(torch, v) for k, v in g.items() if k != "params"}
-                  for g in opt.param_groups]
+        groups = [({k: _keep(torch, v) for k, v in g.items() if k != "params"},
+                   list(g["params"])) for g in opt.param_groups]
         return state, groups
 
     def _rng(self):
@@ -484,7 +564,7 @@ class Snapshot:
         n += sum(h.numel() * h.element_size() for layout in self.layouts
                  for _, h in layout.plain.values() if h is not None)
         for _, (state, groups) in self.optimizers:
-            n += _kept_bytes(list(state.values())) + _kept_bytes(groups)
+            n += _kept_bytes(list(state.values())) + _kept_bytes([g for g, _ in groups])
         return n
 
     def restore(self):
@@ -518,9 +598,19 @@ class Snapshot:
                     del current[k]
                 for k, v in entry.items():
                     current[k] = _bring_back(current.get(k), v)
-            for group, saved in zip(opt.param_groups, groups):
+            del opt.param_groups[len(groups):]  # a group the step added (unfreezing)
+            for group, (saved, group_params) in zip(opt.param_groups, groups):
                 for k, v in saved.items():
                     group[k] = _bring_back(group.get(k), v)
+                if len(group["params"]) != len(group_params) or any(
+                        a is not b for a, b in zip(group["params"], group_params)):
+                    group["params"] = list(group_params)
+            held = {id(p) for group in opt.param_groups for p in group["params"]}
+            for p in [p for p in opt.state if id(p) not in held]:
+                del opt.state[p]
+        for p, flag in self.requires_grad:
+            if p.requires_grad != flag:
+                p.requires_grad_(flag)
         for scaler, state in self.scalers:
             scaler.load_state_dict(state)
             per_optimizer = getattr(scaler, "_per_optimizer_states", None)
@@ -535,9 +625,13 @@ class Snapshot:
             sys.modules["random"].setstate(self.rng["random"])
         if "numpy" in self.rng:
             sys.modules["numpy"].random.set_state(self.rng["numpy"])
+        for generator, put, state in self.generators:
+            put(generator, state)
         # Last: the rest is back whatever an odd module's attributes do here.
         for layout in self.layouts:
             layout.restore(torch)
+        for container, kept in self.containers:
+            _put_contents(container, kept)
 
 
 def _stateful_kinds(torch):
@@ -554,48 +648,90 @@ def _stateful_kinds(torch):
     return kinds
 
 
+# How far through containers and attributes the objects a step function names are searched
+# for state (a Trainer's `self.parts["model"]`, a config's `cfg.train.model`), and how many
+# objects at most: a step that names a dataset must not have every sample walked.
+REACH_DEPTH = 4
+REACH_OBJECTS = 20000
+
+
+def _generator_kinds(torch):
+    """Random generators a step may draw from besides the global ones: (class, get, set)."""
+    import random
+    kinds = [(torch.Generator, lambda g: g.get_state(), lambda g, s: g.set_state(s)),
+             (random.Random, lambda r: r.getstate(), lambda r, s: r.setstate(s))]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kinds += [(numpy.random.Generator, lambda g: g.bit_generator.state,
+                   lambda g, s: setattr(g.bit_generator, "state", s)),
+                  (numpy.random.RandomState, lambda r: r.get_state(),
+                   lambda r, s: r.set_state(s))]
+    return kinds
+
+
 def find_state(torch, user_ns, extra=()):
     """Every module, optimizer, GradScaler and LR scheduler a step could touch: the notebook's
-    variables, the objects they hold one level down (a Trainer's model and optimizer), and
-    `extra` (a step function's closure and globals). Returns name -> object per kind."""
+    variables and the objects they hold one level down (a Trainer's model and optimizer), and
+    what `extra` (a step function's closure and globals) reaches REACH_DEPTH levels down. From
+    `extra` also: random generators of its own, tensors outside any module (an EMA's shadow
+    weights in a list), and plain objects whose attributes it may change (the EMA's step
+    counter). Returns name -> object per kind."""
     kinds = _stateful_kinds(torch)
-    found = {k: {} for k in ("module", "optimizer", "scaler", "scheduler")}
-    seen = set()
+    generators = tuple(cls for cls, _, _ in _generator_kinds(torch))
+    found = {k: {} for k in ("module", "optimizer", "scaler", "scheduler", "generator",
+                             "tensor", "object", "container")}
+    depth_seen = {}
+    budget = [REACH_OBJECTS]
 
-    def visit(name, obj, depth):
+    def visit(name, obj, depth, reached):
         try:
-            inspect(name, obj, depth)
+            inspect(name, obj, depth, reached)
         except Exception:  # an odd object (a lazy proxy, say) is not state we can keep
             pass
 
-    def inspect(name, obj, depth):
-        if id(obj) in seen or isinstance(obj, type) or type(obj).__name__ == "module":
+    def inspect(name, obj, depth, reached):
+        if isinstance(obj, type) or type(obj).__name__ == "module" or isinstance(obj, _SCALARS):
             return
-        seen.add(id(obj))
+        if depth_seen.get(id(obj), -1) >= depth or budget[0] <= 0:
+            return
+        budget[0] -= 1
+        depth_seen[id(obj)] = depth
         for kind, cls in kinds.items():
             if isinstance(obj, cls):
                 found["scaler" if kind == "cuda_scaler" else kind].setdefault(name, obj)
                 return
+        if torch.is_tensor(obj):
+            if reached:
+                found["tensor"].setdefault(name, obj)
+            return
+        if isinstance(obj, generators):
+            if reached:
+                found["generator"].setdefault(name, obj)
+            return
         if depth == 0:
             return
+        if reached and type(obj) in (list, dict):  # a history, a flag the step keeps
+            found["container"].setdefault(name, obj)
         if isinstance(obj, dict):
-            items = list(obj.items())[:256]
-            for k, v in items:
-                visit(f"{name}[{k!r}]", v, depth - 1)
+            for k, v in list(obj.items())[:256]:
+                visit(f"{name}[{k!r}]", v, depth - 1, reached)
         elif isinstance(obj, (list, tuple)):
             for i, v in enumerate(obj[:256]):
-                visit(f"{name}[{i}]", v, depth - 1)
+                visit(f"{name}[{i}]", v, depth - 1, reached)
         elif hasattr(obj, "__dict__") and not callable(obj):
-            for k, v in list(vars(obj).items())[:256]:
-                visit(f"{name}.{k}", v, depth - 1)
+            attrs = vars(obj)
+            if reached and type(attrs) is dict:
+                found["object"].setdefault(name, obj)
+            for k, v in list(attrs.items())[:256]:
+                visit(f"{name}.{k}", v, depth - 1, reached)
         elif callable(obj) and hasattr(obj, "__self__"):  # a bound method: its object
-            visit(f"{name}.__self__", obj.__self__, depth)
+            visit(f"{name}.__self__", obj.__self__, depth, reached)
 
     for name, obj in list(user_ns.items()):
         if not name.startswith("_"):
-            visit(name, obj, 1)
+            visit(name, obj, 1, False)
     for name, obj in extra:
-        visit(name, obj, 1)
+        visit(name, obj, REACH_DEPTH, True)
     return found
 
 
@@ -1797,7 +1933,8 @@ class Session:
         self.scalers = list(found["scaler"].values()) + step.scalers()
         self.snapshot = Snapshot(torch, list(found["module"].values()),
                                  list(found["optimizer"].values()), self.scalers,
-                                 list(found["scheduler"].values()), step.fixed)
+                                 list(found["scheduler"].values()), step.fixed,
+                                 reached=found if spec["kind"] == "step" else None)
         self.trials = 0
         self.settled = False
         self.saved_fraction = None  # the allocator's cap before --limit changed it
@@ -1851,7 +1988,10 @@ class Session:
             return None
 
     def describe(self):
-        names = {k: sorted(v) for k, v in self.found.items() if v}
+        kinds = {"generator": "random generator", "tensor": "tensors outside any module",
+                 "object": "attributes of", "container": "entries of"}
+        names = {kinds.get(k, k): [_names(v)] if k in kinds else sorted(v)
+                 for k, v in self.found.items() if v}
         stateless = sorted(name for name, opt in self.found["optimizer"].items()
                            if not opt.state and any(p.requires_grad for g in opt.param_groups
                                                     for p in g["params"]))
@@ -1996,6 +2136,8 @@ class Session:
         try:
             if peaks is not None:
                 peaks.start()
+            if isinstance(self.step, FunctionStep) and self.phase_hooks:
+                self._adopt_unreached_optimizers()
             result["steps"] = self._run_steps(batch, steps)
             if timed:
                 if peaks is not None:
@@ -2031,6 +2173,7 @@ class Session:
         finally:
             if peaks is not None:
                 peaks.stop()  # the hooks go, whatever ended the steps
+            _remove_hooks()
         result["ms"] = (time.perf_counter() - started) * 1000.0
         if peaks is not None:
             result["peak_allocated"] = peaks.allocated()
@@ -2055,6 +2198,17 @@ class Session:
             self.trials -= 1
             return self.trial(batch, steps, timed)
         return result
+
+    def _adopt_unreached_optimizers(self):
+        """An optimizer the step steps that find_state did not reach is kept before its first
+        step (torch's global pre-hook runs for every optimizer), and put back with the rest."""
+        optim = importlib.import_module("torch.optim.optimizer")
+        dynamo = sys.modules.get("torch._dynamo")
+        adopt = self.snapshot.adopt_optimizer
+        hook = (lambda opt, args, kwargs: adopt(opt))
+        hook = dynamo.disable(hook) if dynamo is not None else hook
+        setattr(hook, _HOOK_MARK, True)
+        optim.register_optimizer_step_pre_hook(hook)
 
     def _counters(self):
         """The allocator's peak counters, ``(peaks, reset)``: a test's, CUDA's, or None."""
@@ -2229,14 +2383,28 @@ def _end_session():
                                                                session.device)
         # Whatever stopped the restore: the report has told the user the counters restart.
         session.restart_peak_counters()
-    del session.snapshot
+    snapshot = session.snapshot
+    not_kept = ([f"tensors beyond {_bytes(snapshot.LOOSE_BYTES)} your step reaches outside any "
+                 f"module: {_names(snapshot.loose_left_out)}"] if snapshot.loose_left_out else [])
+    not_kept += [f"the gradients of the parameters of an optimizer your step stepped that "
+                 f"%maxbatch could not reach from it ({o}; kept from its first step on, "
+                 f"its state and weights are back)" for o in snapshot.adopted]
+    del session.snapshot, snapshot
     clock.lap("release")
     session._settle(collect=not collected)  # a session that never froze: a full collection
     session.restart_peak_counters()  # again, from what the user holds once the cache is empty
     clock.lap("settle")
     session.release_pinned()  # after the settle: the copies are garbage and their DMA is done
     clock.lap("pinned")
-    return {"closed": True, "memory": session.memory(), "timings_ms": clock.laps}
+    return {"closed": True, "memory": session.memory(), "timings_ms": clock.laps,
+            "not_kept": not_kept}
+
+
+def _names(names, shown=4):
+    """A list of names for a report, the first few and how many more."""
+    names = sorted(names)
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _current():
