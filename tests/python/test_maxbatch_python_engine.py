@@ -1502,15 +1502,22 @@ def test_segmentation_labels_come_at_the_inputs_size_when_the_models_loss_takes_
         assert own["targets"] == (
             "ids < 4 shaped [2, 16, 16] at batch 2, the input's size" if upsamples
             else "ids < 4 shaped [2, 4, 4] at batch 2"), own
-        labels = []
-        handle = model.register_forward_pre_hook(
-            lambda _m, _a, kw: labels.append(kw.get("labels")), with_kwargs=True)
-        try:
-            assert call(trials, ns, "trial", batch=5, steps=2)["result"] == "ran"
-        finally:
-            handle.remove()
-            call(trials, ns, "close")
+        labels = _keyword_in_a_trial(trials, ns, model, "labels")
         assert labels and all(tuple(t.shape) == masks and t.max() < 4 for t in labels)
+
+
+def _keyword_in_a_trial(trials, ns, model, keyword, batch=5):
+    """What the prepared session's trial of `batch` passed `model` as `keyword`, every call;
+    the session is closed after."""
+    seen = []
+    handle = model.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw.get(keyword)), with_kwargs=True)
+    try:
+        assert call(trials, ns, "trial", batch=batch, steps=2)["result"] == "ran"
+    finally:
+        handle.remove()
+        call(trials, ns, "close")
+    return seen
 
 
 def test_a_models_loss_on_values_gets_values_as_its_targets(trials):
@@ -1539,14 +1546,7 @@ def test_a_models_loss_on_values_gets_values_as_its_targets(trials):
     assert not [w for w in said if "target size" in str(w.message)], said
     own = reply["output"]["own_loss"]
     assert own["targets"] == "float32 values shaped like the output, [2, 3] at batch 2", own
-    seen = []
-    handle = model.register_forward_pre_hook(
-        lambda _m, _a, kw: seen.append(kw.get("targets")), with_kwargs=True)
-    try:
-        assert call(trials, ns, "trial", batch=5, steps=2)["result"] == "ran"
-    finally:
-        handle.remove()
-        call(trials, ns, "close")
+    seen = _keyword_in_a_trial(trials, ns, model, "targets")
     assert seen and all(t.shape == (5, 3) and t.is_floating_point() for t in seen)
 
 
@@ -1826,10 +1826,10 @@ def test_a_step_function_reaches_state_through_closures_partials_and_objects(tri
 
     partial = functools.partial(make_step(), scale=2.0)
     found = trials.find_state(torch, {"trainer_step": trainer.step},
-                              trials._function_refs(trainer.step))
+                              trials._StepRefs(trainer.step).refs)
     assert trainer.model in found["module"].values()
     assert trainer.opt in found["optimizer"].values()
-    found = trials.find_state(torch, {}, trials._function_refs(partial))
+    found = trials.find_state(torch, {}, trials._StepRefs(partial).refs)
     assert hidden in found["module"].values()
 
 
@@ -2025,6 +2025,35 @@ def test_generators_tensors_and_attributes_a_step_reaches_are_put_back(trials):
         assert _same(torch, a, b), name
     assert model[0].seen == seen and ema.optimization_step == counter
     assert state == flags  # a dict the step reaches: its entries are put back too
+
+
+def test_notebook_variables_a_step_assigns_are_put_back_with_the_state_they_describe(trials):
+    """Progressive unfreezing as a notebook writes it (`global unfrozen`): the flag comes back
+    with the frozen layer and the optimizer's one group, or the user's next step would not
+    unfreeze; a global the step creates goes again."""
+    ns = {}
+    exec(compile("""
+import torch, torch.nn.functional as F
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+model[0].requires_grad_(False)
+opt = torch.optim.AdamW(model[2].parameters(), lr=1e-3)
+unfrozen = False
+def unfreeze_step(bs):
+    global unfrozen, last_batch
+    if not unfrozen:
+        model[0].requires_grad_(True)
+        opt.add_param_group({"params": model[0].parameters(), "lr": 1e-4})
+        unfrozen = True
+    last_batch = bs
+    opt.zero_grad()
+    F.cross_entropy(model(torch.randn(bs, 8)), torch.randint(0, 3, (bs,))).backward()
+    opt.step()
+""", "<notebook cell>", "exec"), ns)
+    _, results, _ = _step_session(trials, ns, "unfreeze_step")
+    assert all(r["result"] == "ran" for r in results), results
+    assert ns["unfrozen"] is False and "last_batch" not in ns
+    assert len(ns["opt"].param_groups) == 1
+    assert [p.requires_grad for p in ns["model"].parameters()] == [False, False, True, True]
 
 
 def test_a_grad_scaler_and_scheduler_cut_mid_step_are_put_back(trials):

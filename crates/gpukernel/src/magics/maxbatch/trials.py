@@ -267,6 +267,9 @@ class _Layout:
             _put_contents(v, kept)
 
 
+_ABSENT = object()  # a global the step assigns that did not exist before it
+
+
 def _contents(container):
     """A list's or dict's entries, by reference (`_put_contents` puts them back)."""
     return list(container) if type(container) is list else dict(container)
@@ -487,6 +490,8 @@ class Snapshot:
                          if not hasattr(o, "__next__")]  # an iterator's half would mislead
         self.flags = [(m, m.training) for m in every]
         self.containers = [(c, _contents(c)) for c in reached.get("container", {}).values()]
+        self.globals = [(g, name, g.get(name, _ABSENT))
+                        for g, name in reached.get("global", {}).values()]
         self.optimizers = [(opt, self._optimizer_state(opt)) for opt in optimizers]
         self.scalers = [(s, s.state_dict()) for s in scalers]
         self.schedulers = [(s, s.state_dict()) for s in schedulers]
@@ -632,6 +637,11 @@ class Snapshot:
             layout.restore(torch)
         for container, kept in self.containers:
             _put_contents(container, kept)
+        for g, name, value in self.globals:
+            if value is _ABSENT:
+                g.pop(name, None)
+            elif g.get(name, _ABSENT) is not value:
+                g[name] = value
 
 
 def _stateful_kinds(torch):
@@ -730,49 +740,72 @@ def find_state(torch, user_ns, extra=()):
     for name, obj in list(user_ns.items()):
         if not name.startswith("_"):
             visit(name, obj, 1, False)
-    for name, obj in extra:
-        visit(name, obj, REACH_DEPTH, True)
+    for name, obj, own in extra:
+        visit(name, obj, REACH_DEPTH if own else 1, own)
     return found
 
 
-def _function_refs(fn):
-    """Objects a step function reaches beyond the notebook's variables: closure cells,
-    functools.partial arguments, a bound method's object, globals it names."""
-    refs = []
-    seen = set()
-    stack = [("step", fn)]
-    while stack and len(refs) < 1024:
-        name, f = stack.pop()
-        if id(f) in seen:
-            continue
-        seen.add(id(f))
-        if hasattr(f, "func") and hasattr(f, "args"):  # functools.partial
-            stack.append((f"{name}.func", f.func))
-            refs += [(f"{name}.args[{i}]", a) for i, a in enumerate(f.args)]
-            refs += [(f"{name}.keywords[{k!r}]", v) for k, v in (f.keywords or {}).items()]
-            continue
-        if hasattr(f, "__self__") and not isinstance(f.__self__, type(sys)):
-            refs.append((f"{name}.__self__", f.__self__))
-        f = getattr(f, "__wrapped__", None) or getattr(f, "_torchdynamo_orig_callable", None) or f
-        code = getattr(f, "__code__", None)
-        if code is None:
-            continue
-        for cell_name, cell in zip(code.co_freevars, getattr(f, "__closure__", None) or ()):
-            try:
-                value = cell.cell_contents
-            except ValueError:
+class _StepRefs:
+    """What a step function reaches beyond the notebook's variables: `refs`, [(name, object,
+    whether the user's own code reaches it)] (closure cells, functools.partial arguments, a
+    bound method's object, globals it names; a library function's are searched only for
+    modules and optimizers, as a notebook variable is), and `assigned`, [(globals, name)] of
+    the globals the user's code assigns (`global unfrozen`): put back with the state they
+    describe."""
+
+    def __init__(self, fn):
+        self.refs, self.assigned = [], []
+        seen = set()
+        stack = [("step", fn, True)]
+        while stack and len(self.refs) < 1024:
+            name, f, own = stack.pop()
+            if id(f) in seen:
                 continue
-            refs.append((cell_name, value))
-            if callable(value):
-                stack.append((cell_name, value))
-        globals_ = getattr(f, "__globals__", {})
-        for g in code.co_names:
-            if g in globals_:
-                value = globals_[g]
-                refs.append((g, value))
-                if callable(value) and not isinstance(value, type):
-                    stack.append((g, value))
-    return refs
+            seen.add(id(f))
+            if hasattr(f, "func") and hasattr(f, "args"):  # functools.partial
+                stack.append((f"{name}.func", f.func, own))
+                self.refs += [(f"{name}.args[{i}]", a, own) for i, a in enumerate(f.args)]
+                self.refs += [(f"{name}.keywords[{k!r}]", v, own)
+                              for k, v in (f.keywords or {}).items()]
+                continue
+            if hasattr(f, "__self__") and not isinstance(f.__self__, type(sys)):
+                self.refs.append((f"{name}.__self__", f.__self__, own))
+            f = (getattr(f, "__wrapped__", None) or getattr(f, "_torchdynamo_orig_callable", None)
+                 or f)
+            code = getattr(f, "__code__", None)
+            if code is None:
+                continue
+            own = own and not _is_library(code.co_filename)
+            for cell_name, cell in zip(code.co_freevars, getattr(f, "__closure__", None) or ()):
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    continue
+                self.refs.append((cell_name, value, own))
+                if callable(value):
+                    stack.append((cell_name, value, own))
+            globals_ = getattr(f, "__globals__", {})
+            for g in code.co_names:
+                if g in globals_:
+                    value = globals_[g]
+                    self.refs.append((g, value, own))
+                    if callable(value) and not isinstance(value, type):
+                        stack.append((g, value, own))
+            if own:
+                self.assigned += [(globals_, g) for g in _globals_stored(code)]
+
+
+def _globals_stored(code):
+    """The global names a code object (and the functions defined in it) assigns or deletes."""
+    import dis
+    names = set()
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            names.add(instruction.argval)
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            names |= _globals_stored(const)
+    return names
 
 
 # --- the standard step built from a module -------------------------------------------------
@@ -1906,7 +1939,9 @@ class Session:
         self.torch = torch
         if spec["kind"] == "step":
             step = FunctionStep(torch, user_ns, spec)
-            found = find_state(torch, user_ns, _function_refs(step.fn))
+            refs = _StepRefs(step.fn)
+            found = find_state(torch, user_ns, refs.refs)
+            found["global"] = {name: (g, name) for g, name in refs.assigned}
         else:
             step = ModuleStep(torch, user_ns, spec, find_state(torch, user_ns))
             # The standard step touches the module, its optimizer and nothing else.
@@ -1989,7 +2024,8 @@ class Session:
 
     def describe(self):
         kinds = {"generator": "random generator", "tensor": "tensors outside any module",
-                 "object": "attributes of", "container": "entries of"}
+                 "object": "attributes of", "container": "entries of",
+                 "global": "variables it assigns"}
         names = {kinds.get(k, k): [_names(v)] if k in kinds else sorted(v)
                  for k, v in self.found.items() if v}
         stateless = sorted(name for name, opt in self.found["optimizer"].items()
