@@ -460,8 +460,8 @@ def test_a_step_functions_report_says_what_is_not_put_back(notebook):
     _, kc = notebook
     reply, outputs = execute(kc, "%maxbatch --step lm_step", timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
-    assert ("and the attributes and tensors of the objects it reaches, are as they were (an "
-            "iterator it draws from, and a notebook variable it assigns, are not put back)") in \
+    assert ("the attributes and tensors of the objects it reaches and the variables it assigns "
+            "are as they were (an iterator it draws from is not put back)") in \
         stream_text(outputs), stream_text(outputs)
     assert_untouched(kc)
 

@@ -581,13 +581,13 @@ fn output_note(args: &Args, prepared: &Prepared, search: &SearchResult) -> Optio
 
 /// What the trials leave as it was: the state `trials.py` snapshots (modules with their
 /// weights, buffers, gradients and attributes; optimizers, schedulers, scalers; the random
-/// generators; a step function's objects' attributes and loose tensors), and a word on what
-/// it cannot (an iterator, a notebook variable the step assigns).
+/// generators; a step function's objects' attributes, loose tensors and the globals it
+/// assigns), and a word on what it cannot (an iterator).
 fn state_back(step_fn: bool) -> &'static str {
     if step_fn {
         "the modules, optimizers, schedulers, scalers and random generators your step reaches, \
-         and the attributes and tensors of the objects it reaches, are as they were (an \
-         iterator it draws from, and a notebook variable it assigns, are not put back)"
+         the attributes and tensors of the objects it reaches and the variables it assigns \
+         are as they were (an iterator it draws from is not put back)"
     } else {
         "your model (weights, buffers, gradients, attributes), its optimizer and the random \
          generators are as they were"
