@@ -179,6 +179,14 @@ def slow_step(batch):
     lm_step(batch)
     time.sleep(60)
 
+def two_argument_step(model, batch):  # written for a loop that passes the model
+    lm_step(batch)
+
+def drawing_step(batch):  # draws from an epoch's iterator the notebook's loop used up
+    next(drawn_epoch)
+    lm_step(batch)
+drawn_epoch = iter(())
+
 def catches_its_own_oom(batch):
     lm_step(batch)
     try:
@@ -744,6 +752,15 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
     ("%maxbatch lm --input 3x8 --optimizer-from opt", "check --input"),
     ("%maxbatch --step 'f()'", "is not a name"),
     ("%maxbatch --step n_layers", "n_layers is an int, not a function"),
+    # Said before any trial runs, with the way to call it.
+    ("%maxbatch --step two_argument_step", "two_argument_step(model, batch) cannot be called as "
+                                           "two_argument_step(batch_size), which is how every "
+                                           "trial calls it"),
+    # What ran dry and where, not Python's "generator raised StopIteration".
+    ("%maxbatch --step drawing_step", "the step raised DataRanOut: next() raised StopIteration "
+                                      "in your step at its first call: the iterator it draws "
+                                      "from ran dry"),
+    ("%maxbatch --step drawing_step", "in drawing_step)"),
     ("%maxbatch torch --input 8", "torch is a Python module, not a torch.nn.Module"),
     # Models the standard step cannot drive: said before any trial, with what to do.
     ("%maxbatch two_inputs --input 8", "two_inputs.forward needs 2 arguments (x, mask), while "
@@ -2834,6 +2851,45 @@ def test_a_step_that_draws_from_the_users_dataloader_leaves_it_drawing_the_same(
     assert torch.equal(first_batch(), expected)
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     assert len(opt.state) == 0
+
+
+def test_an_iterator_that_runs_dry_over_the_trials_is_named_as_the_cause(trials):
+    import torch
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    batches = iter([torch.randn(2, 4) for _ in range(3)])
+
+    def step(batch):
+        x = next(batches)  # three batches drawn once, as `it = iter(loader)` in a cell above
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+    ns = {"step": step, "model": model, "opt": opt}
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    assert call(trials, ns, "trial", batch=2, steps=2)["result"] == "ran"
+    result = call(trials, ns, "trial", batch=2, steps=2)
+    call(trials, ns, "close")
+    assert result["result"] == "error", result
+    error = result["error"]
+    assert error["ename"] == "DataRanOut", error
+    assert error["evalue"].startswith("next() raised StopIteration in your step after 3 calls "
+                                      "over the trials: the iterator it draws from ran dry"), error
+    assert error["where"].endswith("in step"), error  # the user's line that called next()
+
+
+def test_a_step_function_that_takes_more_than_the_batch_size_is_refused_before_any_trial(
+        trials):
+    import functools
+
+    ns = {"two": lambda model, batch: None, "bound": functools.partial(lambda m, b: None, 1),
+          "star": lambda *batch: None, "kw": lambda batch, *, lr=1e-3: None}
+    with pytest.raises(trials.MaxBatchError, match=r"--step two: two\(model, batch\) cannot "
+                                                   r"be called as two\(batch_size\)"):
+        trials.FunctionStep(importlib.import_module("torch"), ns, {"target": "two"})
+    for ok in ("bound", "star", "kw"):  # each can be called with the batch size alone
+        trials.FunctionStep(importlib.import_module("torch"), ns, {"target": ok})
 
 
 def test_a_compiled_module_is_said_to_be_stepped_compiled(notebook):

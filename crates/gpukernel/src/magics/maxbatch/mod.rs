@@ -266,21 +266,37 @@ fn join_shape(argv: Vec<String>) -> Vec<String> {
 
 fn parse_shape(text: &str) -> Result<Shape, String> {
     // `(3, 224, 224)`, `[3, 224, 224]` or `torch.Size([3, 224, 224])` as Python prints a
-    // shape: the brackets go.
+    // shape: the brackets go (one left alone is forgiven, as a copy cuts it off), and a
+    // one-dimension tuple's trailing comma, `(512,)`, too. Every dimension must be a whole
+    // number: `8x` or `3xx224` is a typo to point out, not a shape to guess at.
+    let wrong = || {
+        format!(
+            "{:?} is not a shape like 3x224x224 (the dimensions of one sample, whole \
+             numbers above 0, joined by x or commas)",
+            text.trim()
+        )
+    };
     let text = text.trim();
     let text = text.strip_prefix("torch.Size(").unwrap_or(text);
     let inner = text
         .trim_start_matches(['(', '['])
-        .trim_end_matches([')', ']']);
-    let dims: Result<Vec<i64>, _> = inner
-        .split(['x', ',', ' '])
-        .filter(|d| !d.is_empty())
-        .map(|d| d.parse::<i64>())
-        .collect();
-    match dims {
-        Ok(dims) if !dims.is_empty() && dims.iter().all(|d| *d > 0) => Ok(Shape(dims)),
-        _ => Err(format!("{text:?} is not a shape like 3x224x224")),
-    }
+        .trim_end_matches([')', ']'])
+        .trim();
+    let pieces: Vec<&str> = if inner.contains(',') {
+        inner
+            .strip_suffix(',')
+            .unwrap_or(inner)
+            .split(',')
+            .collect()
+    } else {
+        inner.split('x').collect()
+    };
+    let dims: Vec<i64> = pieces
+        .iter()
+        .map(|d| d.trim().parse::<i64>().ok().filter(|d| *d > 0))
+        .collect::<Option<_>>()
+        .ok_or_else(wrong)?;
+    Ok(Shape(dims))
 }
 
 fn parse_seconds(text: &str) -> Result<f64, String> {
@@ -498,8 +514,19 @@ mod tests {
         assert!(parse_size("-1G").is_err());
         assert_eq!(parse_shape("3x224x224"), Ok(Shape(vec![3, 224, 224])));
         assert_eq!(parse_shape("128"), Ok(Shape(vec![128])));
-        assert!(parse_shape("3xx").is_ok());
         assert!(parse_shape("3x-1").is_err());
+        // A typo is pointed out, not read as the shape it might have been.
+        for typo in [
+            "8x", "3xx", "3xx224", "x3", "3 224", "3x224x", "3.5x2", "3,,2", "8X",
+        ] {
+            let err = parse_shape(typo).expect_err(typo);
+            assert!(
+                err.contains("is not a shape like 3x224x224"),
+                "{typo}: {err}"
+            );
+        }
+        assert_eq!(parse_shape("(512,)"), Ok(Shape(vec![512])));
+        assert_eq!(parse_shape(" 3x32x32 "), Ok(Shape(vec![3, 32, 32])));
         // As Python prints a shape, and as torch.Size's numbers are copied out of it.
         assert_eq!(parse_shape("(3, 224, 224)"), Ok(Shape(vec![3, 224, 224])));
         assert_eq!(parse_shape("[512]"), Ok(Shape(vec![512])));

@@ -41,6 +41,7 @@ message's text. A step that returns has trained its batch, whatever it caught on
 
 import gc
 import importlib
+import inspect
 import sys
 import time
 import warnings
@@ -1791,8 +1792,16 @@ class FunctionStep:
             raise MaxBatchError(f"--step {self.name}: {self.name} is {_a(fn)}, not a "
                                 "function; pass a function FN(batch_size) that runs one full "
                                 "training step")
+        signature = _unbindable(fn)
+        if signature is not None:
+            raise MaxBatchError(f"--step {self.name}: {self.name}{signature} cannot be called as "
+                                f"{self.name}(batch_size), which is how every trial calls it; "
+                                "pass a function of the batch size alone, e.g. "
+                                f"`lambda batch_size: {self.name}(..., batch_size)` with your "
+                                "other arguments filled in")
         self.fn = fn
         self.device = None
+        self.calls = 0  # over all trials: an iterator the step draws from runs dry across them
 
     def fixed(self, p):
         """Nothing: the user's own step may write any parameter (a frozen EMA teacher
@@ -1803,7 +1812,19 @@ class FunctionStep:
         """The calls, one per `next()`, without end: the caller stops them."""
         result = None  # alive until the next call returns, as in a loop
         while True:
-            result = self.fn(batch)
+            try:
+                result = self.fn(batch)
+            except StopIteration as err:
+                # Inside this generator Python would turn it into "generator raised
+                # StopIteration" (PEP 479), which names neither the cause nor the fix.
+                when = (f"after {self.calls} call{'s' if self.calls > 1 else ''} over the "
+                        "trials" if self.calls else "at its first call")
+                raise DataRanOut(f"next() raised StopIteration in your step {when}: the "
+                                 "iterator it draws from ran dry (each trial draws from it, and "
+                                 "an iterator is not put back); start a fresh iterator when one "
+                                 "runs out, or make the batch in the step").with_traceback(
+                                     err.__traceback__) from None
+            self.calls += 1
             yield result
 
     def scalers(self):
@@ -1811,6 +1832,24 @@ class FunctionStep:
 
     def describe(self):
         return {"optimizer": "whatever your step uses", "parameters": None}
+
+
+class DataRanOut(RuntimeError):
+    """A step's `next()` on its data raised StopIteration."""
+
+
+def _unbindable(fn):
+    """`fn`'s signature as text where it cannot take one positional argument, else None (also
+    where Python cannot read it, as for some builtins: the first call tells then)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(1)
+    except TypeError:
+        return str(signature)
+    return None
 
 
 # --- the session: prepare, trials, close -------------------------------------------------
