@@ -350,6 +350,10 @@ def overstepped_schedule(batch):  # the user's line that makes torch raise
         one.step()
 
 opt2 = torch.optim.SGD(lm.parameters(), lr=0.1)
+split_lm = TinyLM()  # its matrices under one optimizer, the rest under another (Muon and AdamW)
+split_matrices = torch.optim.SGD([p for p in split_lm.parameters() if p.dim() == 2], lr=0.1,
+                                 momentum=0.9)
+split_rest = torch.optim.AdamW([p for p in split_lm.parameters() if p.dim() != 2])
 not_a_module = {"a": 1}
 
 # A physics-informed-style net trained with LBFGS: its history lives in lists of tensors.
@@ -742,6 +746,16 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
     ("%maxbatch opt --input 8", "(for a function that runs your own step, use --step)"),
     ("%maxbatch lm --input 8", "several optimizers hold lm's parameters (opt, opt2)"),
     ("%maxbatch lm --input 8 --optimizer-from not_a_module", "not a torch.optim.Optimizer"),
+    # A model split between two optimizers: the step that trains it is the user's own.
+    ("%maxbatch split_lm --input 8", "several optimizers hold split_lm's parameters "
+                                     "(split_matrices, split_rest): name yours with "
+                                     "--optimizer-from VAR, or pick a new one with --optimizer. "
+                                     "If your loop steps more than one, write a function "
+                                     "FN(batch_size) that runs your whole step and use --step FN"),
+    ("%maxbatch split_lm --input 8 --optimizer-from split_matrices",
+     "split_matrices holds 2 of split_lm's 5 parameters, and split_rest holds others: a step of "
+     "split_matrices alone would leave their optimizer state out. If your loop steps more than "
+     "one"),
     ("%maxbatch --step lm", "not a function"),
     ("%maxbatch --step nosuch", "'nosuch' is not defined in this notebook"),
     ("%maxbatch --step lm_step --input 8", "cannot be used with"),

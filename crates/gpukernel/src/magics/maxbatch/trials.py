@@ -1107,7 +1107,6 @@ class ModuleStep:
     def _required_arguments(self):
         """The forward's arguments without a default, as its signature reads (a decorator or
         a pre-hook may supply some: read only to explain a forward that failed)."""
-        import inspect
         signature = self._forward_signature()
         if signature is None:
             return []
@@ -1126,8 +1125,20 @@ class ModuleStep:
             opt = _lookup(user_ns, name)
             if not isinstance(opt, torch.optim.Optimizer):
                 raise MaxBatchError(f"{name} is {_a(opt)}, not a torch.optim.Optimizer")
-            if not any(id(p) in params for g in opt.param_groups for p in g["params"]):
+            held = {id(p) for g in opt.param_groups for p in g["params"]} & params
+            if not held:
                 raise MaxBatchError(f"{name} optimizes none of {self.name}'s parameters")
+            # A model split between optimizers (Muon's matrices, AdamW the rest): a step of
+            # one leaves the others' state out of the memory it measures.
+            rest = sorted(n for n, o in found["optimizer"].items()
+                          if any(id(p) in params and id(p) not in held
+                                 for g in o.param_groups for p in g["params"]))
+            if rest:
+                raise MaxBatchError(f"{name} holds {len(held)} of {self.name}'s "
+                                    f"{len(params)} parameters, and {', '.join(rest)} "
+                                    f"hold{'s' if len(rest) == 1 else ''} others: a step of "
+                                    f"{name} alone would leave their optimizer state out. "
+                                    f"{_STEP_ALL_OPTIMIZERS}")
             return opt, f"the notebook's {name} ({type(opt).__name__})", False
         kind = spec.get("optimizer")
         if kind is None:  # the notebook's own optimizer of this model, if there is just one
@@ -1136,7 +1147,8 @@ class ModuleStep:
             if len(mine) > 1:
                 raise MaxBatchError(f"several optimizers hold {self.name}'s parameters "
                                     f"({', '.join(sorted(mine))}): name yours with "
-                                    "--optimizer-from VAR, or pick a new one with --optimizer")
+                                    "--optimizer-from VAR, or pick a new one with --optimizer. "
+                                    f"{_STEP_ALL_OPTIMIZERS}")
             if mine:
                 n, opt = next(iter(mine.items()))
                 return opt, f"the notebook's {n} ({type(opt).__name__})", False
@@ -1832,6 +1844,10 @@ class FunctionStep:
 
     def describe(self):
         return {"optimizer": "whatever your step uses", "parameters": None}
+
+
+_STEP_ALL_OPTIMIZERS = ("If your loop steps more than one, write a function FN(batch_size) "
+                        "that runs your whole step and use --step FN")
 
 
 class DataRanOut(RuntimeError):
