@@ -33,15 +33,56 @@ def child(row, batches):
     for kind, batch in batches:
         t0 = time.time()
         ns["marks"] = []
+        failure = None
         if kind == "loop":
-            done = ns["steps_ok"](key, batch)
+            done, failure = loop(ns, key, batch)
         else:  # the truth's probe: three steps in one call of the loop
             done = 3 if ns["fits"](key, batch) else 0
         marks = [list(m) for m in (ns.get("marks") or [])]
         results.append({"kind": kind, "batch": batch, "steps_ok": done, "marks": marks,
-                        "seconds": round(time.time() - t0, 2)})
-        print(json.dumps(results[-1])[:300], flush=True)
+                        "failure": failure, "seconds": round(time.time() - t0, 2)})
+        print(json.dumps(results[-1])[:600], flush=True)
     return results
+
+
+def loop(ns, key, batch, n=30):
+    """maxbatch_truth's steps_ok (one train() call a step, nothing held between them), with
+    the cache's layout where a step runs out of memory: what it asked for, and the segments
+    and free bytes in split blocks it could not use."""
+    import gc
+    import torch
+
+    ns["opts"][key].state.clear()
+    ns["fresh_scaler"](key)
+    gc.collect(); torch.cuda.empty_cache()
+    done, failure, first = 0, None, None
+    try:
+        for _ in range(n):
+            ns["train"](key, batch, 1)
+            done += 1
+            if done == 1:
+                first = layout(torch)
+    except torch.OutOfMemoryError as err:  # its frames hold the step's tensors: as it failed
+        failure = {"step": done + 1, "message": str(err).splitlines()[0][:300],
+                   **layout(torch), "after_first_step": first}
+        del err
+    ns["opts"][key].zero_grad(set_to_none=True)
+    ns["opts"][key].state.clear()
+    gc.collect(); torch.cuda.empty_cache()
+    return done, failure
+
+
+def layout(torch):
+    stats = torch.cuda.memory_stats()
+    segments = torch.cuda.memory_snapshot()
+    sizes = sorted((s["total_size"] for s in segments), reverse=True)
+    free_in_split = sorted((sum(b["size"] for b in s["blocks"] if b["state"] == "inactive")
+                            for s in segments if len(s["blocks"]) > 1), reverse=True)
+    return {"allocated": stats.get("allocated_bytes.all.current", 0),
+            "reserved": stats.get("reserved_bytes.all.current", 0),
+            "inactive_split": stats.get("inactive_split_bytes.all.current", 0),
+            "largest_segments": sizes[:6], "largest_free_in_split": free_in_split[:6],
+            "segments": len(sizes)}
 
 
 def main():
