@@ -1172,6 +1172,44 @@ def test_the_step_trains_on_the_loss_a_model_computes_from_its_targets(trials):
             assert all(t.shape == (5, 12) and 0 <= t.min() and t.max() < 30 for t in targets)
 
 
+def test_a_ctc_models_labels_are_made_shorter_than_its_frames(trials):
+    """Wav2Vec2ForCTC takes `labels` and returns a CTC loss, which is inf for a transcript as
+    long as its frames: the trials train with ids a quarter as long, which give a loss."""
+    import torch
+    import torch.nn.functional as F
+
+    class CTC(torch.nn.Module):  # [batch, frames, features] -> frame scores, CTC with labels
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 3)
+        def forward(self, x, labels=None):
+            logits = self.proj(x)
+            if labels is None:
+                return logits
+            frames = torch.full((x.shape[0],), x.shape[1])
+            loss = F.ctc_loss(logits.log_softmax(-1).transpose(0, 1), labels, frames,
+                              torch.full((x.shape[0],), labels.shape[1]))
+            return loss, logits
+
+    model = CTC()
+    ns = {"model": model}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                              "input": [16, 8]})
+    own = reply["output"]["own_loss"]
+    assert own["targets"].startswith("ids < 3 shaped [2, 4] at batch 2, a quarter of the "
+                                     "output's length"), own
+    losses = []
+    hook = model.register_forward_hook(lambda _m, _a, out: losses.append(
+        out[0].item() if isinstance(out, tuple) else None))
+    try:
+        assert call(trials, ns, "trial", batch=5, steps=2)["result"] == "ran"
+    finally:
+        hook.remove()
+        call(trials, ns, "close")
+    trained = [v for v in losses if v is not None]
+    assert trained and all(v == v and abs(v) != float("inf") for v in trained), losses
+
+
 def test_the_step_trains_on_the_loss_a_model_computes_from_its_output(trials):
     """A masked autoencoder returns (loss, pred, mask) without targets: the step's backward
     runs from that loss (which reads only pred's first feature here, so the decoder's other

@@ -885,6 +885,30 @@ def _scalar(torch, v):
     return torch.is_tensor(v) and v.dim() == 0 and v.is_floating_point()
 
 
+def _then(candidates, fallback):
+    """`(index, candidate)` of `candidates` as the list stands when each is reached (a caller
+    may insert after the current one), then `(None, fallback())` where that gives one."""
+    i = 0
+    while i < len(candidates):
+        yield i, candidates[i]
+        i += 1
+    last = fallback()
+    if last is not None:
+        yield None, last
+
+
+def _shorter_ids(target, batch_at, high):
+    """Target ids a quarter as long along their sequence, for a loss that needs them shorter
+    than the output (CTC); None where the targets are no sequence of ids."""
+    if high is None or len(target) != 2 or target[1 - batch_at] < 4:
+        return None
+    shorter = list(target)
+    shorter[1 - batch_at] //= 4
+    return (f"ids < {high} shaped {shorter} at batch {PROBE_BATCH}, a quarter of the output's "
+            f"length (with ids as long, its loss is not finite: CTC's transcripts are shorter "
+            f"than their frames)", shorter, batch_at, high)
+
+
 def _returned_loss(torch, out):
     """The scalar loss a model returned with its output (`(logits, loss)`, a Hugging Face
     output's `.loss`) or alone: (tensor, how it was found), or None."""
@@ -1378,7 +1402,9 @@ class ModuleStep:
         forward fails without them (`failed`: how, where `shape` is None)."""
         torch = self.torch
         tried = self.own_tried = []  # what each candidate's forward said, for a refusal
-        for words, target, batch_at, high in self._target_candidates(shape):
+        candidates = self._target_candidates(shape)
+        not_finite = None  # the first that gave an inf or nan loss: used if none does better
+        for at, (words, target, batch_at, high) in _then(candidates, lambda: not_finite):
             own = {"parameter": parameter, "targets": words, "shape": target,
                    "batch_at": batch_at, "high": high}
             x = self.make_input(PROBE_BATCH)
@@ -1394,6 +1420,16 @@ class ModuleStep:
             found = _returned_loss(torch, out)
             if found is None:
                 tried.append(f"{words}: no scalar loss in what it returned")
+                continue
+            if not_finite is None and not bool(torch.isfinite(found[0].detach())):
+                # A CTC loss is inf where the transcript is as long as the frames: ids a
+                # quarter as long are tried first, as a transcript is shorter than its audio.
+                not_finite = (words, target, batch_at, high)
+                shorter = _shorter_ids(target, batch_at, high)
+                if shorter is not None:
+                    candidates.insert(at + 1, shorter)
+                tried.append(f"{words}: its loss is {found[0].item()}")
+                out = found = None
                 continue
             trained, trained_where = _select_output(torch, out)
             if shape is None:  # probed with zeros: the ids the trials draw stay below both
