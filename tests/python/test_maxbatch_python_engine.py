@@ -2931,6 +2931,17 @@ def test_an_iterator_that_runs_dry_over_the_trials_is_named_as_the_cause(trials)
     assert error["where"].endswith("in step"), error  # the user's line that called next()
 
 
+def test_the_largest_block_is_the_largest_segment_the_trial_made(trials):
+    """Each segment of the caching allocator is made for one request: the largest the trial
+    made is its largest allocation. The user's own (there before) are not the trial's, and
+    under expandable segments nothing is stranded, so there is no block to leave room for."""
+    held = {0x1000}
+    segments = [(0x1000, 8 << 30, False), (0x9000, 14 << 30, False), (0x5000, 2 << 20, False)]
+    assert trials._largest_new_segment(segments, held) == 14 << 30
+    assert trials._largest_new_segment(segments[:1], held) == 0
+    assert trials._largest_new_segment([(0x1000, 80 << 30, True)], set()) is None
+
+
 def test_a_step_function_that_takes_more_than_the_batch_size_is_refused_before_any_trial(
         trials):
     import functools

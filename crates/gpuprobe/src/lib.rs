@@ -7,6 +7,8 @@
 //! - [`search`] and [`loss`]: the batch-size search and the loss a trial step computes, pure
 //!   and shared by both `%maxbatch` engines; `output` (feature `torch`): which of a
 //!   TorchScript model's outputs that loss is computed on.
+//! - [`stranded`]: the room a recommendation leaves for a block the CUDA cache strands as it
+//!   fragments, pure like the search.
 //! - `allocator` (cargo feature `torch`): libtorch's CUDA caching allocator through a small C++
 //!   shim (`shim/`), since tch has no allocator API.
 //!
@@ -24,6 +26,7 @@ pub mod output;
 pub mod plugin_api;
 pub mod process;
 pub mod search;
+pub mod stranded;
 #[cfg(feature = "torch")]
 pub mod torch;
 pub mod units;

@@ -571,11 +571,18 @@ fn at_least_one(batch: f64) -> Option<u64> {
 /// The batch to use: `max` less `margin` (a fraction), rounded down to a multiple of 8 where
 /// that keeps at least 8 (tensor cores like multiples of 8).
 pub fn recommend(max: u64, margin: f64) -> u64 {
+    recommend_within(max, margin, None)
+}
+
+/// [`recommend`], held at or below `bound` where one is given (the largest batch that leaves
+/// room for a block the cache strands: [`crate::stranded`]).
+pub fn recommend_within(max: u64, margin: f64, bound: Option<u64>) -> u64 {
     let with_margin = ((max as f64) * (1.0 - margin.clamp(0.0, 0.9))).floor() as u64;
-    if with_margin >= 16 {
-        with_margin - with_margin % 8
+    let batch = with_margin.min(bound.unwrap_or(u64::MAX));
+    if batch >= 16 {
+        batch - batch % 8
     } else {
-        with_margin.max(1)
+        batch.max(1)
     }
 }
 
@@ -1104,5 +1111,9 @@ mod tests {
         assert_eq!(recommend(1705, 0.05), 1616);
         assert_eq!(recommend(10, 0.05), 9);
         assert_eq!(recommend(1, 0.5), 1);
+        // A bound below the margin's batch holds it, rounded the same way.
+        assert_eq!(recommend_within(232, 0.05, Some(211)), 208);
+        assert_eq!(recommend_within(232, 0.05, Some(400)), 216);
+        assert_eq!(recommend_within(20, 0.05, Some(12)), 12);
     }
 }

@@ -384,6 +384,7 @@ fn findings(
         margin_percent: args.margin,
         throughput: None,
         confirmation: None,
+        room: None,
         timings: None,
     }
 }

@@ -11,6 +11,7 @@ use crate::magics::python::{module_call_expression, Bound, EvalError, PythonKern
 use crate::magics::{MagicContext, MagicError, Output};
 use gpuprobe::loss::{self, LossInputs, LossPlan};
 use gpuprobe::search::{self, Outcome, Phase, PhasePeaks, SearchConfig, SearchResult, Stop};
+use gpuprobe::stranded::{self, Fitted, Room};
 use gpuprobe::units::human_bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -269,6 +270,10 @@ struct TrialReply {
     settle_ms: f64,
     #[serde(default)]
     cleanup_ms: Cleanup,
+    /// The largest segment the trial made the cache reserve, for a trial that ran on a GPU;
+    /// absent under expandable segments (they strand no block).
+    #[serde(default)]
+    largest_block: Option<u64>,
 }
 
 impl TrialReply {
@@ -553,6 +558,7 @@ fn search_on_gpu(
         margin_percent: args.margin,
         throughput: None,
         confirmation: searched.confirmation,
+        room: searched.room,
         timings: None,
     };
     findings
@@ -664,6 +670,7 @@ struct Searched {
     /// One per trial of the search, in its order.
     records: Vec<Record>,
     confirmation: Option<Confirmation>,
+    room: Option<Room>,
 }
 
 /// What one trial measured beside its outcome.
@@ -674,6 +681,8 @@ struct Record {
     steps: u32,
     /// The cache's peak, for a trial that ran.
     reserved: Option<u64>,
+    /// The largest block it made the cache reserve (a trial that ran, default allocator).
+    largest_block: Option<u64>,
 }
 
 /// The search over the user's own step, each trial on the live display, then (unless
@@ -698,6 +707,7 @@ fn search_and_confirm(
             reserved: reply
                 .peak_reserved
                 .filter(|_| matches!(outcome, Outcome::Ran { .. })),
+            largest_block: reply.largest_block,
         });
         Ok(outcome)
     };
@@ -709,28 +719,54 @@ fn search_and_confirm(
         return Err(stop_error(stop));
     }
     // The search's own trials that fitted: each ran as the confirmation would.
-    let fitted: Vec<Record> = result
+    let fitted: Vec<(Record, u64)> = result
         .trials
         .iter()
         .zip(&records)
-        .filter(|(t, _)| t.fits)
-        .map(|(_, &r)| r)
+        .filter_map(|(t, &r)| match t.outcome {
+            Outcome::Ran { peak, .. } if t.fits => Some((r, peak)),
+            _ => None,
+        })
         .collect();
+    let room = room_for_a_stranded_block(&fitted, limit);
     let confirmation = match (args.no_confirm, args.search, result.max_fit) {
-        (false, SearchKind::Fit, Some(max)) => Some(confirm(
-            session,
-            live,
-            (Candidates::below(max, args.margin / 100.0), &fitted),
-            (limit, held_before),
-            trial_limit,
-        )?),
+        (false, SearchKind::Fit, Some(max)) => {
+            let first =
+                search::recommend_within(max, args.margin / 100.0, room.map(|r| r.largest_batch));
+            let ran: Vec<Record> = fitted.iter().map(|&(r, _)| r).collect();
+            Some(confirm(
+                session,
+                live,
+                (Candidates::from(first), &ran),
+                (limit, held_before),
+                trial_limit,
+            )?)
+        }
         _ => None,
     };
     Ok(Searched {
         result,
         records,
         confirmation,
+        room,
     })
+}
+
+/// The room the recommendation leaves for one more of the step's largest blocks, from the
+/// trials that fitted; none where a trial gave no block size (expandable segments, which
+/// strand none, or off the GPU).
+fn room_for_a_stranded_block(fitted: &[(Record, u64)], limit: u64) -> Option<Room> {
+    let trials: Option<Vec<Fitted>> = fitted
+        .iter()
+        .map(|&(r, peak)| {
+            Some(Fitted {
+                batch: r.batch,
+                peak,
+                largest_block: r.largest_block?,
+            })
+        })
+        .collect();
+    stranded::room(&trials?, limit)
 }
 
 fn stop_error(stop: Stop) -> MagicError {
@@ -743,16 +779,16 @@ fn stop_error(stop: Stop) -> MagicError {
 /// Tries the recommendation gets before the search gives up on one.
 const CONFIRM_TRIES: usize = 3;
 
-/// The batches the recommendation is confirmed among: the recommendation for `max`, then the
-/// next multiple of 8 below (or the next batch, under 16).
+/// The batches the recommendation is confirmed among: the first (the recommendation for the
+/// maximum), then the next multiple of 8 below (or the next batch, under 16).
 struct Candidates {
     next: Option<u64>,
 }
 
 impl Candidates {
-    fn below(max: u64, margin: f64) -> Self {
+    fn from(first: u64) -> Self {
         Self {
-            next: Some(search::recommend(max, margin)).filter(|&b| b > 0),
+            next: Some(first).filter(|&b| b > 0),
         }
     }
 }
@@ -1565,12 +1601,38 @@ mod tests {
 
     #[test]
     fn the_recommendation_steps_down_by_multiples_of_eight() {
-        let tried: Vec<u64> = Candidates::below(76, 0.05).take(CONFIRM_TRIES).collect();
+        let tried: Vec<u64> = Candidates::from(search::recommend(76, 0.05))
+            .take(CONFIRM_TRIES)
+            .collect();
         assert_eq!(tried, vec![72, 64, 56]);
-        let small: Vec<u64> = Candidates::below(10, 0.05).collect();
+        let small: Vec<u64> = Candidates::from(search::recommend(10, 0.05)).collect();
         assert_eq!(small, (1..=9).rev().collect::<Vec<_>>());
         // 17..=23 step to 16, not 8 below themselves.
         assert_eq!(Candidates { next: Some(23) }.nth(1), Some(16));
+    }
+
+    #[test]
+    fn the_room_for_a_stranded_block_comes_from_trials_that_all_measured_one() {
+        let record = |batch, largest_block| Record {
+            batch,
+            ms: 1.0,
+            steps: 2,
+            reserved: None,
+            largest_block,
+        };
+        let gb = 1_000_000_000u64;
+        let fitted = [
+            (record(4, Some(gb / 4)), 3 * gb),
+            (record(232, Some(15 * gb)), 74 * gb),
+        ];
+        let room = room_for_a_stranded_block(&fitted, 81 * gb).expect("room");
+        assert!(
+            room.largest_batch < 232 && room.largest_batch > 200,
+            "{room:?}"
+        );
+        // A trial under expandable segments (no block): no room, the margin alone.
+        let expandable = [fitted[0], (record(232, None), 74 * gb)];
+        assert_eq!(room_for_a_stranded_block(&expandable, 81 * gb), None);
     }
 
     /// `prepare`'s reply on cuda:0 with these GPUs and uncopied (fixed) weight bytes.

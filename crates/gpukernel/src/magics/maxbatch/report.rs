@@ -4,6 +4,7 @@
 
 use crate::magics::{bundle, html_escape, Bundle, Output, OutputSink};
 use gpuprobe::search::{Outcome, Phase, SearchResult};
+use gpuprobe::stranded::Room;
 use gpuprobe::units::human_bytes;
 use serde::Serialize;
 use serde_json::json;
@@ -220,6 +221,8 @@ pub(super) struct Findings {
     pub(super) throughput: Option<Throughput>,
     /// The recommendation run as a trial of its own (python engine, unless `--no-confirm`).
     pub(super) confirmation: Option<Confirmation>,
+    /// The room left for a block the cache strands (python engine, default allocator).
+    pub(super) room: Option<Room>,
     pub(super) timings: Option<Timings>,
 }
 
@@ -261,11 +264,21 @@ impl Findings {
     pub(super) fn recommended(&self) -> Option<u64> {
         match &self.confirmation {
             Some(c) => c.batch,
-            None => self
-                .search
-                .max_fit
-                .map(|m| gpuprobe::search::recommend(m, self.margin_percent / 100.0)),
+            None => self.search.max_fit.map(|m| {
+                gpuprobe::search::recommend_within(
+                    m,
+                    self.margin_percent / 100.0,
+                    self.room.map(|r| r.largest_batch),
+                )
+            }),
         }
+    }
+
+    /// The room, where it held the recommendation below the margin's batch.
+    fn room_bounding(&self) -> Option<Room> {
+        let max = self.search.max_fit?;
+        let margin = gpuprobe::search::recommend(max, self.margin_percent / 100.0);
+        self.room.filter(|r| r.bounds(margin))
     }
 }
 
@@ -273,6 +286,9 @@ impl Findings {
 pub(super) fn summary(f: &Findings) -> Bundle {
     let search = &f.search;
     let mut text = headline(f);
+    if let Some(room) = f.room_bounding() {
+        text.push_str(&room_line(&room));
+    }
     if let Some(c) = &f.confirmation {
         text.push_str(&confirmation_line(c, search.max_fit));
     }
@@ -338,9 +354,10 @@ fn headline(f: &Findings) -> String {
     };
     match (search.max_fit, recommended) {
         (Some(max), Some(rec)) => format!(
-            "%maxbatch {}: largest batch that fits: {max}{accuracy}; recommended: {rec} ({}% margin{})\n",
+            "%maxbatch {}: largest batch that fits: {max}{accuracy}; recommended: {rec} ({}% margin{}{})\n",
             f.model,
             f.margin_percent,
+            if f.room_bounding().is_some() { " and room for a stranded block" } else { "" },
             if rec % 8 == 0 && rec >= 16 { ", multiple of 8" } else { "" },
         ),
         (Some(max), None) => format!(
@@ -354,6 +371,25 @@ fn headline(f: &Findings) -> String {
             human_bytes(f.limit)
         ),
     }
+}
+
+/// Why the recommendation sits lower than the margin alone would put it.
+fn room_line(room: &Room) -> String {
+    let per_sample = if room.block_per_sample >= 1.0 {
+        format!(", {} a sample", human_bytes(room.block_per_sample as u64))
+    } else {
+        String::new()
+    };
+    format!(
+        "  the recommendation leaves room for one more of your step's largest allocations ({} at \
+         batch {}{per_sample}): PyTorch's default allocator can strand one as its cache \
+         fragments, and a batch above {} can then run out of memory at any step, although a \
+         larger one ran. With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set before torch \
+         starts, it strands none, and %maxbatch recommends from the margin alone\n",
+        human_bytes(room.block),
+        room.at_batch,
+        room.largest_batch,
+    )
 }
 
 /// Samples per second at each batch `--throughput` ran, the fastest marked.
@@ -405,7 +441,7 @@ fn summary_json(f: &Findings) -> serde_json::Value {
         "throughput": f.throughput.as_ref().map(|t| json!({"points": t.points, "fastest": t.best})),
         "trials": search.trials, "stopped": search.stopped, "trial_ms": f.trial_ms, "trial_steps": f.trial_steps,
         "trial_reserved": f.trial_reserved, "elapsed_ms": f.elapsed_ms, "notes": f.notes,
-        "confirmation": f.confirmation, "timings_ms": f.timings,
+        "confirmation": f.confirmation, "room": f.room, "timings_ms": f.timings,
     })
 }
 
@@ -595,8 +631,49 @@ mod tests {
             margin_percent: 5.0,
             throughput: None,
             confirmation: None,
+            room: None,
             timings: None,
         }
+    }
+
+    #[test]
+    fn a_recommendation_the_room_holds_down_says_so_and_one_it_does_not_is_silent() {
+        let mut f = findings();
+        f.room = Some(Room {
+            block: 20_000_000_000,
+            at_batch: 1705,
+            block_per_sample: 11.7e6,
+            largest_batch: 1530,
+        });
+        let data = summary(&f);
+        let text = data["text/plain"].as_str().unwrap();
+        assert!(
+            text.contains(
+                "recommended: 1528 (5% margin and room for a stranded block, multiple of 8)"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("room for one more of your step's largest allocations (18.6 GiB at batch 1705, 11.2 MiB a sample)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("a batch above 1530 can then run out of memory at any step"),
+            "{text}"
+        );
+        assert_eq!(data["application/json"]["recommended"], 1528);
+        assert_eq!(data["application/json"]["room"]["largest_batch"], 1530);
+        // Room to spare at the margin's batch: the margin alone, and no line on it.
+        f.room = Some(Room {
+            largest_batch: 1700,
+            ..f.room.unwrap()
+        });
+        let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
+        assert!(
+            text.contains("recommended: 1616 (5% margin, multiple of 8)"),
+            "{text}"
+        );
+        assert!(!text.contains("stranded"), "{text}");
     }
 
     /// A confirmation of 3 steps.

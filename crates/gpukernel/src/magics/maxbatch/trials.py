@@ -1886,6 +1886,17 @@ _STEP_ALL_OPTIMIZERS = ("If your loop steps more than one, write a function FN(b
                         "that runs your whole step and use --step FN")
 
 
+def _largest_new_segment(segments, held):
+    """The largest of the cache's `segments` [(address, bytes, expandable)] not among `held`
+    (addresses there before the trial): the trial's largest single allocation, as the cache
+    rounds it (each segment is made for one request), which the cache can strand as it
+    fragments (gpuprobe's `stranded`). None under expandable segments, which map pages
+    instead and strand none."""
+    if any(expandable for _, _, expandable in segments):
+        return None
+    return max((size for address, size, _ in segments if address not in held), default=0)
+
+
 class DataRanOut(RuntimeError):
     """A step's `next()` on its data raised StopIteration."""
 
@@ -2203,6 +2214,19 @@ class Session:
         allocated = self.torch.cuda.memory_allocated(self.device) if self.on_gpu() else 0
         return allocated, [s.get_scale() for s in self.scalers if s.is_enabled()]
 
+    def _segments(self):
+        """The caching allocator's segments on the session's GPU, [(address, bytes,
+        expandable)]; none off the GPU."""
+        if not self.on_gpu():
+            return []
+        torch = self.torch
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return [(s["address"], s["total_size"], bool(s.get("is_expandable")))
+                for s in torch.cuda.memory_snapshot() if s.get("device") == index]
+
+    def _largest_block(self, held_segments):
+        return _largest_new_segment(self._segments(), held_segments)
+
     def _far_below(self, limit):
         """Whether the steps so far kept the cache far enough below `limit` that a step
         needing a little more than the one before cannot reach it."""
@@ -2255,6 +2279,8 @@ class Session:
             self._settle()
         self.settled = False
         _remove_hooks()  # any that an interrupt left behind
+        # The cache holds only what the user holds now: what the trial adds is its own.
+        held_segments = {address for address, _, _ in self._segments()}
         self.trial_peaks = peaks = self._phase_peaks()
         retry = False
         before_ooms = self._num_ooms()
@@ -2302,6 +2328,8 @@ class Session:
                 peaks.stop()  # the hooks go, whatever ended the steps
             _remove_hooks()
         result["ms"] = (time.perf_counter() - started) * 1000.0
+        if result["result"] == "ran" and self.on_gpu():
+            result["largest_block"] = self._largest_block(held_segments)
         if peaks is not None:
             result["peak_allocated"] = peaks.allocated()
             result["peak_reserved"] = peaks.reserved()
