@@ -2931,6 +2931,23 @@ def test_an_iterator_that_runs_dry_over_the_trials_is_named_as_the_cause(trials)
     assert error["where"].endswith("in step"), error  # the user's line that called next()
 
 
+def test_an_optimizer_a_notebook_keeps_under_two_names_is_its_one_optimizer(trials):
+    """`opts = {}` filled by a helper that also binds `gpt_opt` (maxbatch_truth's notebook):
+    one optimizer reached two ways is not two optimizers, and it is named as the notebook
+    names it, not by the path into the dict."""
+    import torch
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    ns = {"opts": {"linear": opt}, "model": model, "model_opt": opt}  # the dict comes first
+    found = trials.find_state(torch, ns)
+    assert found["optimizer"] == {"model_opt": opt}, found["optimizer"]
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                              "input": [4]})
+    call(trials, ns, "close")
+    assert reply["describe"]["optimizer"] == "the notebook's model_opt (AdamW)", reply
+
+
 def test_the_largest_block_is_the_largest_segment_the_trial_made(trials):
     """Each segment of the caching allocator is made for one request: the largest the trial
     made is its largest allocation. The user's own (there before) are not the trial's, and

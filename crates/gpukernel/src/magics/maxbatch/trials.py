@@ -693,6 +693,17 @@ def find_state(torch, user_ns, extra=()):
                              "tensor", "object", "container")}
     depth_seen = {}
     budget = [REACH_OBJECTS]
+    kept = {}  # id -> (kind, name, depth): an object reached by two paths is kept once
+
+    def keep(kind, name, obj, depth):
+        """Under the name nearest a root (`opt` rather than `opts['gpt']` for one object)."""
+        before = kept.get(id(obj))
+        if before is not None:
+            if before[2] >= depth:
+                return
+            del found[before[0]][before[1]]
+        found[kind][name] = obj
+        kept[id(obj)] = (kind, name, depth)
 
     def visit(name, obj, depth, reached):
         try:
@@ -709,20 +720,20 @@ def find_state(torch, user_ns, extra=()):
         depth_seen[id(obj)] = depth
         for kind, cls in kinds.items():
             if isinstance(obj, cls):
-                found["scaler" if kind == "cuda_scaler" else kind].setdefault(name, obj)
+                keep("scaler" if kind == "cuda_scaler" else kind, name, obj, depth)
                 return
         if torch.is_tensor(obj):
             if reached:
-                found["tensor"].setdefault(name, obj)
+                keep("tensor", name, obj, depth)
             return
         if isinstance(obj, generators):
             if reached:
-                found["generator"].setdefault(name, obj)
+                keep("generator", name, obj, depth)
             return
         if depth == 0:
             return
         if reached and type(obj) in (list, dict):  # a history, a flag the step keeps
-            found["container"].setdefault(name, obj)
+            keep("container", name, obj, depth)
         if isinstance(obj, dict):
             for k, v in list(obj.items())[:256]:
                 visit(f"{name}[{k!r}]", v, depth - 1, reached)
@@ -732,7 +743,7 @@ def find_state(torch, user_ns, extra=()):
         elif hasattr(obj, "__dict__") and not callable(obj):
             attrs = vars(obj)
             if reached and type(attrs) is dict:
-                found["object"].setdefault(name, obj)
+                keep("object", name, obj, depth)
             for k, v in list(attrs.items())[:256]:
                 visit(f"{name}.{k}", v, depth - 1, reached)
         elif callable(obj) and hasattr(obj, "__self__"):  # a bound method: its object
