@@ -829,7 +829,8 @@ def magic_row(v, wall_seconds):
             "optimizer": v["assumptions"]["optimizer"], "limit": v["limit_bytes"],
             "held": v.get("held"), "trial_ms": v.get("trial_ms"),
             "trial_steps": v.get("trial_steps"),
-            "confirmation": v.get("confirmation"), "timings_ms": v.get("timings_ms"),
+            "confirmation": v.get("confirmation"), "room": v.get("room"),
+            "timings_ms": v.get("timings_ms"),
             "notes": v.get("notes"),
             # [batch, result, peak, reserved, {outside, optimizer} peaks or None]
             "trial_list": [[t["batch"], t["outcome"]["result"], t["outcome"].get("peak"),

@@ -131,6 +131,14 @@ def targets(python_rows):
     at_max = [r for r in python_rows if r.get("steps_ok_at_max") is not None]
     print(f"- 30 steps at the recommendation: {len(ok_rec)} of {n}" + (
         f"; at the maximum itself: {len(ok_max)} of {len(at_max)}" if at_max else ""))
+    held_down = [r for r in python_rows if r.get("room") and r.get("max_batch")
+                 and r["room"]["largest_batch"] < recommend(r["max_batch"])]
+    if held_down:
+        print("  - held below the 5% margin's batch by the room for a block the cache can "
+              "strand (gpuprobe::stranded): " + ", ".join(
+                  f"{r['model']} {recommend(r['max_batch'])} -> {r['recommended']} (its largest "
+                  f"block {r['room']['block'] / 2**30:.1f} GiB at {r['room']['at_batch']})"
+                  for r in held_down))
     print(f"- trials: median {statistics.median(trials):g}, at most {max(trials)} "
           "(targets 6 and 10)" + (
               f"; the search's alone (without the trial that runs the recommendation): median "
@@ -139,6 +147,12 @@ def targets(python_rows):
     timed = [r for r in python_rows if r.get("baseline_seconds")]
     print(f"- time at most 1/3 of the baseline's (our harness): {len(fast)} of {len(timed)}"
           if timed else "- time against the baseline: not timed in this run (SURVEY=1)")
+
+
+def recommend(max_batch, margin=0.05):
+    """gpuprobe::search::recommend: the margin off, down to a multiple of 8 from 16 up."""
+    batch = int(max_batch * (1 - margin))
+    return batch - batch % 8 if batch >= 16 else max(batch, 1)
 
 
 def times(python_rows):
