@@ -200,7 +200,8 @@ def with_holes(r):
 
 def parts(t):
     """A search's seconds by kind, from its timings_ms."""
-    cleanup = t["settle"] + t["collect"] + t["empty_cache"] + t["restore"]
+    cleanup = (t["settle"] + t.get("segments", 0) + t["collect"] + t["empty_cache"]
+               + t["restore"])
     return {"steps": t["steps"] / 1000, "between trials": cleanup / 1000,
             "setup": (t["prepare"] + t["set_loss"] + t["close"]) / 1000,
             "side channel": (t["trial_calls"] - t["steps"] - cleanup) / 1000}

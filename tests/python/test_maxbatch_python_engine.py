@@ -744,18 +744,20 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
     ("%maxbatch lm", "needs --input SHAPE"),
     ("%maxbatch not_a_module --input 8", "not_a_module is a dict, not a torch.nn.Module"),
     ("%maxbatch opt --input 8", "(for a function that runs your own step, use --step)"),
-    ("%maxbatch lm --input 8", "several optimizers hold lm's parameters (opt, opt2)"),
+    # Overlapping optimizers (one made again in a later cell): which one is the user's to say.
+    ("%maxbatch lm --input 8", "several optimizers hold lm's parameters (opt, opt2): name yours "
+                               "with --optimizer-from VAR, or pick a new one with --optimizer"),
     ("%maxbatch lm --input 8 --optimizer-from not_a_module", "not a torch.optim.Optimizer"),
     # A model split between two optimizers: the step that trains it is the user's own.
-    ("%maxbatch split_lm --input 8", "several optimizers hold split_lm's parameters "
-                                     "(split_matrices, split_rest): name yours with "
-                                     "--optimizer-from VAR, or pick a new one with --optimizer. "
-                                     "If your loop steps more than one, write a function "
-                                     "FN(batch_size) that runs your whole step and use --step FN"),
+    ("%maxbatch split_lm --input 8", "split_lm's trainable parameters are split between "
+                                     "optimizers (split_matrices, split_rest): a step of one "
+                                     "alone would leave the others' state out. If your loop "
+                                     "steps more than one, write a function FN(batch_size) that "
+                                     "runs your whole step and use --step FN"),
     ("%maxbatch split_lm --input 8 --optimizer-from split_matrices",
-     "split_matrices holds 2 of split_lm's 5 parameters, and split_rest holds others: a step of "
-     "split_matrices alone would leave their optimizer state out. If your loop steps more than "
-     "one"),
+     "split_matrices holds 2 of split_lm's 5 trainable parameter tensors, and split_rest holds "
+     "others: a step of split_matrices alone would leave their optimizer state out. If your "
+     "loop steps more than one"),
     ("%maxbatch --step lm", "not a function"),
     ("%maxbatch --step nosuch", "'nosuch' is not defined in this notebook"),
     ("%maxbatch --step lm_step --input 8", "cannot be used with"),
@@ -1208,6 +1210,19 @@ def test_a_ctc_models_labels_are_made_shorter_than_its_frames(trials):
         call(trials, ns, "close")
     trained = [v for v in losses if v is not None]
     assert trained and all(v == v and abs(v) != float("inf") for v in trained), losses
+
+    class NotFinite(CTC):  # a loss no targets make finite: taken all the same, and said
+        def forward(self, x, labels=None):
+            out = super().forward(x, labels)
+            return out if labels is None else (out[0] * float("nan"), out[1])
+
+    ns = {"model": NotFinite()}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                              "input": [16, 8]})
+    call(trials, ns, "close")
+    own = reply["output"]["own_loss"]
+    assert own["targets"] == ("ids < 3 shaped [2, 16] at batch 2, with which its loss is not "
+                              "finite"), own
 
 
 def test_the_step_trains_on_the_loss_a_model_computes_from_its_output(trials):
@@ -2948,6 +2963,52 @@ def test_an_optimizer_a_notebook_keeps_under_two_names_is_its_one_optimizer(tria
     assert reply["describe"]["optimizer"] == "the notebook's model_opt (AdamW)", reply
 
 
+def test_a_closure_name_the_notebook_gives_another_object_keeps_both_objects(trials):
+    """A distillation step built by a factory: its closure's `model` is the student, while
+    the notebook's `model` is the teacher. Both are kept and put back, under their names."""
+    import torch
+
+    torch.manual_seed(0)
+    student, teacher = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(student.parameters())
+
+    def make_step(model, teacher):
+        def step(batch):
+            x = torch.randn(batch, 4)
+            opt.zero_grad()
+            (model(x) - teacher(x).detach()).square().mean().backward()
+            opt.step()
+        return step
+
+    ns = {"model": teacher, "big": student, "opt": opt, "step": make_step(student, teacher)}
+    found = trials.find_state(torch, ns, trials._StepRefs(ns["step"]).refs)
+    assert {id(m) for m in found["module"].values()} == {id(student), id(teacher)}, found
+    assert found["module"]["big"] is student and found["module"]["model"] is teacher
+    weights = [p.detach().clone() for p in student.parameters()]
+    call(trials, ns, "prepare", spec={"kind": "step", "target": "step"})
+    assert call(trials, ns, "trial", batch=4, steps=2)["result"] == "ran"
+    call(trials, ns, "close")
+    assert all(torch.equal(a, b) for a, b in zip(weights, student.parameters()))
+    assert len(opt.state) == 0
+
+
+def test_a_second_stage_optimizer_is_taken_beside_the_first_stages_over_frozen_weights(trials):
+    """A two-stage fine-tune: stage 1's optimizer still holds the whole model, stage 2 trains
+    the head alone with its own. The backbone is frozen, so no step trains what the first
+    holds beyond the head: the model is not split between them."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    stage1 = torch.optim.AdamW(model.parameters())
+    model[0].requires_grad_(False)
+    head_opt = torch.optim.AdamW(model[1].parameters())
+    ns = {"model": model, "stage1": stage1, "head_opt": head_opt}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4],
+                                              "optimizer_from": "head_opt"})
+    call(trials, ns, "close")
+    assert reply["describe"]["optimizer"] == "the notebook's head_opt (AdamW)", reply
+
+
 def test_the_largest_block_is_the_largest_segment_the_trial_made(trials):
     """Each segment of the caching allocator is made for one request: the largest the trial
     made is its largest allocation. The user's own (there before) are not the trial's, and
@@ -2959,16 +3020,52 @@ def test_the_largest_block_is_the_largest_segment_the_trial_made(trials):
     assert trials._largest_new_segment([(0x1000, 80 << 30, True)], set()) is None
 
 
+def test_a_trial_reads_the_segments_of_its_own_gpu_from_the_allocators_snapshot(
+        trials, monkeypatch):
+    """The segments come from torch.cuda.memory_snapshot(), every GPU's: the session's card
+    only; a snapshot this torch cannot give leaves the block unknown, not the search broken."""
+    import torch
+
+    ns = {"model": torch.nn.Linear(4, 3)}
+    call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4]})
+    session = trials._current()
+    try:
+        session.device = torch.device("cuda", 1)
+        snapshot = [
+            {"device": 0, "address": 0x10, "total_size": 40 << 30, "is_expandable": False},
+            {"device": 1, "address": 0x20, "total_size": 2 << 30, "is_expandable": False},
+            {"device": 1, "address": 0x30, "total_size": 6 << 30, "is_expandable": False},
+        ]
+        monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
+        assert session._segments() == [(0x20, 2 << 30, False), (0x30, 6 << 30, False)]
+        assert session._largest_block({0x30}) == 2 << 30  # card 0's 40 GiB is not this card's
+        monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [{"device": 1}])
+        assert session._segments() is None and session._largest_block(set()) is None
+    finally:
+        session.device = torch.device("cpu")
+        call(trials, ns, "close")
+
+
 def test_a_step_function_that_takes_more_than_the_batch_size_is_refused_before_any_trial(
         trials):
     import functools
 
+    def supplies_the_model(fn):  # a decorator that fills in the first argument
+        @functools.wraps(fn)
+        def wrapper(batch):
+            return fn(None, batch)
+        return wrapper
+
+    @supplies_the_model
+    def wrapped(model, batch):
+        return None
+
     ns = {"two": lambda model, batch: None, "bound": functools.partial(lambda m, b: None, 1),
-          "star": lambda *batch: None, "kw": lambda batch, *, lr=1e-3: None}
+          "star": lambda *batch: None, "kw": lambda batch, *, lr=1e-3: None, "wrapped": wrapped}
     with pytest.raises(trials.MaxBatchError, match=r"--step two: two\(model, batch\) cannot "
                                                    r"be called as two\(batch_size\)"):
         trials.FunctionStep(importlib.import_module("torch"), ns, {"target": "two"})
-    for ok in ("bound", "star", "kw"):  # each can be called with the batch size alone
+    for ok in ("bound", "star", "kw", "wrapped"):  # each can be called with the batch size alone
         trials.FunctionStep(importlib.import_module("torch"), ns, {"target": ok})
 
 

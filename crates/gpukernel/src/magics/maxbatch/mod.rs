@@ -195,7 +195,9 @@ pub(super) struct Args {
     /// allocator is capped there, so the card's out-of-memory errors happen for real.
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub(super) limit: Option<u64>,
-    /// Safety margin below the maximum for the recommendation, in percent.
+    /// Safety margin below the maximum for the recommendation, in percent. Under PyTorch's
+    /// default allocator the python engine also leaves room for one more of the step's largest
+    /// allocations, which the cache can strand as it fragments (gpuprobe::stranded).
     #[arg(long, value_name = "PCT", default_value_t = 5.0)]
     pub(super) margin: f64,
     /// Largest batch worth trying.
@@ -206,8 +208,8 @@ pub(super) struct Args {
     pub(super) exact: bool,
     /// Skip running the recommendation itself once the search is done (python engine). The
     /// confirming trial costs about one trial at the limit; without it the recommendation is
-    /// only implied by the maximum, and the allocator's fragmentation can make a smaller batch
-    /// fail where a larger one fits.
+    /// only implied by the maximum (less the margin and the room for a stranded block), and
+    /// the allocator's fragmentation can make a smaller batch fail where a larger one fits.
     #[arg(long)]
     pub(super) no_confirm: bool,
     /// Also time training at batch sizes up to the recommendation and recommend the fastest.

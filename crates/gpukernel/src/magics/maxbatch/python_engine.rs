@@ -287,6 +287,8 @@ impl TrialReply {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default)]
 struct Cleanup {
+    /// Reading the cache's segments for the largest block (a trial that ran on a GPU).
+    segments: f64,
     collect: f64,
     empty_cache: f64,
     restore: f64,
@@ -395,6 +397,7 @@ impl<'a> Session<'a> {
         let mut t = self.timings.borrow_mut();
         t.steps += reply.ms;
         t.settle += reply.settle_ms;
+        t.segments += reply.cleanup_ms.segments;
         t.collect += reply.cleanup_ms.collect;
         t.empty_cache += reply.cleanup_ms.empty_cache;
         t.restore += reply.cleanup_ms.restore;
@@ -731,8 +734,9 @@ fn search_and_confirm(
     let room = room_for_a_stranded_block(&fitted, limit);
     let confirmation = match (args.no_confirm, args.search, result.max_fit) {
         (false, SearchKind::Fit, Some(max)) => {
-            let first =
-                search::recommend_within(max, args.margin / 100.0, room.map(|r| r.largest_batch));
+            let margin = args.margin / 100.0;
+            let held = room.and_then(|r| r.holds(search::recommend(max, margin)));
+            let first = search::recommend_within(max, margin, held);
             let ran: Vec<Record> = fitted.iter().map(|&(r, _)| r).collect();
             Some(confirm(
                 session,
@@ -779,8 +783,9 @@ fn stop_error(stop: Stop) -> MagicError {
 /// Tries the recommendation gets before the search gives up on one.
 const CONFIRM_TRIES: usize = 3;
 
-/// The batches the recommendation is confirmed among: the first (the recommendation for the
-/// maximum), then the next multiple of 8 below (or the next batch, under 16).
+/// The batches the recommendation is confirmed among: the first (the margin's batch below the
+/// maximum, or the room for a stranded block's), then the next multiple of 8 below (or the
+/// next batch, under 16).
 struct Candidates {
     next: Option<u64>,
 }

@@ -238,6 +238,8 @@ pub(super) struct Timings {
     /// Inside the trials: the steps themselves, the cache emptied before the first, the
     /// step's garbage collected, the cache emptied after it, the state put back.
     pub(super) steps: f64,
+    /// Reading the cache's segments after each trial that ran (the largest block).
+    pub(super) segments: f64,
     pub(super) settle: f64,
     pub(super) collect: f64,
     pub(super) empty_cache: f64,
@@ -265,20 +267,35 @@ impl Findings {
         match &self.confirmation {
             Some(c) => c.batch,
             None => self.search.max_fit.map(|m| {
-                gpuprobe::search::recommend_within(
-                    m,
-                    self.margin_percent / 100.0,
-                    self.room.map(|r| r.largest_batch),
-                )
+                let margin = self.margin_percent / 100.0;
+                let held = self
+                    .room
+                    .and_then(|r| r.holds(gpuprobe::search::recommend(m, margin)));
+                gpuprobe::search::recommend_within(m, margin, held)
             }),
         }
     }
 
-    /// The room, where it held the recommendation below the margin's batch.
-    fn room_bounding(&self) -> Option<Room> {
+    /// The margin's batch below the maximum, before any room.
+    fn margin_batch(&self) -> Option<u64> {
         let max = self.search.max_fit?;
-        let margin = gpuprobe::search::recommend(max, self.margin_percent / 100.0);
-        self.room.filter(|r| r.bounds(margin))
+        Some(gpuprobe::search::recommend(
+            max,
+            self.margin_percent / 100.0,
+        ))
+    }
+
+    /// The room, where it held the recommendation below the margin's batch.
+    fn room_holding(&self) -> Option<Room> {
+        self.recommended()?;
+        let margin = self.margin_batch()?;
+        self.room.filter(|r| r.holds(margin).is_some())
+    }
+
+    /// The room, where no batch near the margin's leaves it.
+    fn room_out_of_reach(&self) -> Option<Room> {
+        let margin = self.margin_batch()?;
+        self.room.filter(|r| r.out_of_reach(margin))
     }
 }
 
@@ -286,8 +303,11 @@ impl Findings {
 pub(super) fn summary(f: &Findings) -> Bundle {
     let search = &f.search;
     let mut text = headline(f);
-    if let Some(room) = f.room_bounding() {
+    if let Some(room) = f.room_holding() {
         text.push_str(&room_line(&room));
+    }
+    if let Some(room) = f.room_out_of_reach() {
+        text.push_str(&room_out_of_reach_line(&room));
     }
     if let Some(c) = &f.confirmation {
         text.push_str(&confirmation_line(c, search.max_fit));
@@ -357,7 +377,7 @@ fn headline(f: &Findings) -> String {
             "%maxbatch {}: largest batch that fits: {max}{accuracy}; recommended: {rec} ({}% margin{}{})\n",
             f.model,
             f.margin_percent,
-            if f.room_bounding().is_some() { " and room for a stranded block" } else { "" },
+            if f.room_holding().is_some() { " and room for a stranded block" } else { "" },
             if rec % 8 == 0 && rec >= 16 { ", multiple of 8" } else { "" },
         ),
         (Some(max), None) => format!(
@@ -375,20 +395,44 @@ fn headline(f: &Findings) -> String {
 
 /// Why the recommendation sits lower than the margin alone would put it.
 fn room_line(room: &Room) -> String {
+    format!(
+        "  the recommendation leaves room for one more of your step's largest allocations ({}): \
+         PyTorch's default allocator can strand one as its cache fragments, so above {} a run \
+         longer than the trials' few steps can fail, although {} ran. {EXPANDABLE}, and \
+         %maxbatch recommends from the margin alone\n",
+        block_text(room),
+        room.largest_batch,
+        room.at_batch,
+    )
+}
+
+/// Where no batch near the margin's leaves room for a stranded block.
+fn room_out_of_reach_line(room: &Room) -> String {
+    format!(
+        "  note: your step's largest allocation ({}) barely shrinks with the batch, and \
+         PyTorch's default allocator can strand one as its cache fragments: then a batch below \
+         the maximum can fail after a few steps, which no batch near this recommendation \
+         leaves room for. {EXPANDABLE}\n",
+        block_text(room),
+    )
+}
+
+/// How the cache is kept from stranding blocks.
+const EXPANDABLE: &str =
+    "Restart the kernel with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+     set and it strands none";
+
+/// A stranded block's size, where it was measured, and its growth per sample.
+fn block_text(room: &Room) -> String {
     let per_sample = if room.block_per_sample >= 1.0 {
         format!(", {} a sample", human_bytes(room.block_per_sample as u64))
     } else {
         String::new()
     };
     format!(
-        "  the recommendation leaves room for one more of your step's largest allocations ({} at \
-         batch {}{per_sample}): PyTorch's default allocator can strand one as its cache \
-         fragments, and a batch above {} can then run out of memory at any step, although a \
-         larger one ran. With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set before torch \
-         starts, it strands none, and %maxbatch recommends from the margin alone\n",
+        "{} at batch {}{per_sample}",
         human_bytes(room.block),
-        room.at_batch,
-        room.largest_batch,
+        room.at_batch
     )
 }
 
@@ -658,15 +702,16 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("a batch above 1530 can then run out of memory at any step"),
+            text.contains("so above 1530 a run longer than the trials' few steps can fail, although 1705 ran. Restart the kernel with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
             "{text}"
         );
         assert_eq!(data["application/json"]["recommended"], 1528);
         assert_eq!(data["application/json"]["room"]["largest_batch"], 1530);
+        let room = f.room.unwrap();
         // Room to spare at the margin's batch: the margin alone, and no line on it.
         f.room = Some(Room {
             largest_batch: 1700,
-            ..f.room.unwrap()
+            ..room
         });
         let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
         assert!(
@@ -674,6 +719,28 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("stranded"), "{text}");
+        // No batch near the margin's leaves room (a block of fixed size): the margin's batch,
+        // and a note that only expandable segments avoid the failure.
+        f.room = Some(Room {
+            largest_batch: 600,
+            block_per_sample: 0.0,
+            ..room
+        });
+        let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
+        assert!(
+            text.contains("recommended: 1616 (5% margin, multiple of 8)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("note: your step's largest allocation (18.6 GiB at batch 1705) barely shrinks with the batch"),
+            "{text}"
+        );
+        // Every candidate failed: no recommendation, so no room line either.
+        f.room = Some(room);
+        f.confirmation = Some(confirmation(None, vec![1528, 1520, 1512], 2700.0, false));
+        let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
+        assert!(text.contains("no recommendation"), "{text}");
+        assert!(!text.contains("leaves room"), "{text}");
     }
 
     /// A confirmation of 3 steps.

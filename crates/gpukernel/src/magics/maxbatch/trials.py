@@ -693,17 +693,23 @@ def find_state(torch, user_ns, extra=()):
                              "tensor", "object", "container")}
     depth_seen = {}
     budget = [REACH_OBJECTS]
-    kept = {}  # id -> (kind, name, depth): an object reached by two paths is kept once
+    kept = {}  # id -> (kind, name): an object reached by two paths is kept once
 
     def keep(kind, name, obj, depth):
-        """Under the name nearest a root (`opt` rather than `opts['gpt']` for one object)."""
+        """Under the shortest of its paths' names (`opt` rather than `opts['gpt']`, and
+        the notebook's name on a tie, its variables being visited first); a name another
+        object holds already (a closure's `model` beside the notebook's) is numbered."""
         before = kept.get(id(obj))
         if before is not None:
-            if before[2] >= depth:
+            if _hops(before[1]) <= _hops(name):
                 return
             del found[before[0]][before[1]]
-        found[kind][name] = obj
-        kept[id(obj)] = (kind, name, depth)
+        table, base, n = found[kind], name, 1
+        while name in table:
+            n += 1
+            name = f"{base} ({n})"
+        table[name] = obj
+        kept[id(obj)] = (kind, name)
 
     def visit(name, obj, depth, reached):
         try:
@@ -755,6 +761,12 @@ def find_state(torch, user_ns, extra=()):
     for name, obj, own in extra:
         visit(name, obj, REACH_DEPTH if own else 1, own)
     return found
+
+
+def _hops(name):
+    """How many steps a found object's name takes from a root: `opt` 0, `opts['gpt']` 1,
+    `step.__self__.model` 2."""
+    return name.count(".") + name.count("[")
 
 
 class _StepRefs:
@@ -916,8 +928,17 @@ def _shorter_ids(target, batch_at, high):
     shorter = list(target)
     shorter[1 - batch_at] //= 4
     return (f"ids < {high} shaped {shorter} at batch {PROBE_BATCH}, a quarter of the output's "
-            f"length (with ids as long, its loss is not finite: CTC's transcripts are shorter "
-            f"than their frames)", shorter, batch_at, high)
+            f"length (with ids as long, its loss is not finite, as CTC's is: a transcript is "
+            f"shorter than its frames)", shorter, batch_at, high)
+
+
+def _ids_below(words, high):
+    """A probe's targets as the trials draw them: the zeros (or ids < 1) it probed with are
+    ids below `high` there."""
+    for probed in ("zero ids", "ids < 1 "):
+        if words.startswith(probed):
+            return f"ids < {high}{' ' if probed.endswith(' ') else ''}{words[len(probed):]}"
+    return words
 
 
 def _returned_loss(torch, out):
@@ -1155,35 +1176,41 @@ class ModuleStep:
         if self.inference:
             return None, "none (inference, no gradients)", False
         params = {id(p) for p in self.model.parameters()}
+        # Frozen weights an optimizer still holds (a first stage's, over the whole model) do
+        # not split the model between optimizers: no step trains them.
+        trainable = {id(p) for p in self.model.parameters() if p.requires_grad}
         name = spec.get("optimizer_from")
         if name:
             opt = _lookup(user_ns, name)
             if not isinstance(opt, torch.optim.Optimizer):
                 raise MaxBatchError(f"{name} is {_a(opt)}, not a torch.optim.Optimizer")
-            held = {id(p) for g in opt.param_groups for p in g["params"]} & params
+            held = _held_parameters(opt) & params
             if not held:
                 raise MaxBatchError(f"{name} optimizes none of {self.name}'s parameters")
             # A model split between optimizers (Muon's matrices, AdamW the rest): a step of
             # one leaves the others' state out of the memory it measures.
             rest = sorted(n for n, o in found["optimizer"].items()
-                          if any(id(p) in params and id(p) not in held
-                                 for g in o.param_groups for p in g["params"]))
+                          if (_held_parameters(o) & trainable) - held)
             if rest:
-                raise MaxBatchError(f"{name} holds {len(held)} of {self.name}'s "
-                                    f"{len(params)} parameters, and {', '.join(rest)} "
-                                    f"hold{'s' if len(rest) == 1 else ''} others: a step of "
-                                    f"{name} alone would leave their optimizer state out. "
-                                    f"{_STEP_ALL_OPTIMIZERS}")
+                raise MaxBatchError(f"{name} holds {len(held & trainable)} of {self.name}'s "
+                                    f"{len(trainable)} trainable parameter tensors, and "
+                                    f"{', '.join(rest)} hold{'s' if len(rest) == 1 else ''} "
+                                    f"others: a step of {name} alone would leave their "
+                                    f"optimizer state out. {_STEP_ALL_OPTIMIZERS}")
             return opt, f"the notebook's {name} ({type(opt).__name__})", False
         kind = spec.get("optimizer")
         if kind is None:  # the notebook's own optimizer of this model, if there is just one
-            mine = {n: o for n, o in found["optimizer"].items()
-                    if any(id(p) in params for g in o.param_groups for p in g["params"])}
+            mine = {n: o for n, o in found["optimizer"].items() if _held_parameters(o) & params}
             if len(mine) > 1:
+                names = ", ".join(sorted(mine))
+                trained = [_held_parameters(o) & trainable for o in mine.values()]
+                if not any(t >= set().union(*trained) for t in trained):
+                    raise MaxBatchError(f"{self.name}'s trainable parameters are split between "
+                                        f"optimizers ({names}): a step of one alone would "
+                                        f"leave the others' state out. {_STEP_ALL_OPTIMIZERS}")
                 raise MaxBatchError(f"several optimizers hold {self.name}'s parameters "
-                                    f"({', '.join(sorted(mine))}): name yours with "
-                                    "--optimizer-from VAR, or pick a new one with --optimizer. "
-                                    f"{_STEP_ALL_OPTIMIZERS}")
+                                    f"({names}): name yours with --optimizer-from VAR, or pick "
+                                    "a new one with --optimizer")
             if mine:
                 n, opt = next(iter(mine.items()))
                 return opt, f"the notebook's {n} ({type(opt).__name__})", False
@@ -1432,20 +1459,24 @@ class ModuleStep:
             if found is None:
                 tried.append(f"{words}: no scalar loss in what it returned")
                 continue
-            if not_finite is None and not bool(torch.isfinite(found[0].detach())):
+            if at is not None and not bool(torch.isfinite(found[0].detach())):
                 # A CTC loss is inf where the transcript is as long as the frames: ids a
-                # quarter as long are tried first, as a transcript is shorter than its audio.
-                not_finite = (words, target, batch_at, high)
-                shorter = _shorter_ids(target, batch_at, high)
-                if shorter is not None:
-                    candidates.insert(at + 1, shorter)
+                # quarter as long are tried next, as a transcript is shorter than its audio.
+                # Only if no candidate gives a finite loss is the first such one taken (the
+                # memory it sizes is the step's all the same), and the report says so.
+                if not_finite is None:
+                    not_finite = (f"{words}, with which its loss is not finite", target,
+                                  batch_at, high)
+                    shorter = _shorter_ids(target, batch_at, high)
+                    if shorter is not None:
+                        candidates.insert(at + 1, shorter)
                 tried.append(f"{words}: its loss is {found[0].item()}")
                 out = found = None
                 continue
             trained, trained_where = _select_output(torch, out)
             if shape is None:  # probed with zeros: the ids the trials draw stay below both
                 own["high"] = min(self.vocab, trained.shape[-1]) if trained.dim() else 1
-                own["targets"] = words = f"ids < {own['high']} shaped like the input"
+                own["targets"] = words = _ids_below(words, own["high"])
             self.own = own
             if self.loss_requested == "own":
                 reason = None
@@ -1856,8 +1887,8 @@ class FunctionStep:
             raise MaxBatchError(f"--step {self.name}: {self.name}{signature} cannot be called as "
                                 f"{self.name}(batch_size), which is how every trial calls it; "
                                 "pass a function of the batch size alone, e.g. "
-                                f"`lambda batch_size: {self.name}(..., batch_size)` with your "
-                                "other arguments filled in")
+                                f"`step = lambda batch_size: {self.name}(..., batch_size)` with "
+                                "your other arguments filled in, then %maxbatch --step step")
         self.fn = fn
         self.device = None
         self.calls = 0  # over all trials: an iterator the step draws from runs dry across them
@@ -1893,6 +1924,11 @@ class FunctionStep:
         return {"optimizer": "whatever your step uses", "parameters": None}
 
 
+def _held_parameters(optimizer):
+    """The ids of the tensors `optimizer` updates."""
+    return {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+
 _STEP_ALL_OPTIMIZERS = ("If your loop steps more than one, write a function FN(batch_size) "
                         "that runs your whole step and use --step FN")
 
@@ -1915,15 +1951,20 @@ class DataRanOut(RuntimeError):
 def _unbindable(fn):
     """`fn`'s signature as text where it cannot take one positional argument, else None (also
     where Python cannot read it, as for some builtins: the first call tells then)."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
+    def binds(follow_wrapped):
+        try:
+            signature = inspect.signature(fn, follow_wrapped=follow_wrapped)
+        except (TypeError, ValueError):
+            return None
+        try:
+            signature.bind(1)
+        except TypeError:
+            return str(signature)
         return None
-    try:
-        signature.bind(1)
-    except TypeError:
-        return str(signature)
-    return None
+
+    # A decorator that fills in arguments (functools.wraps) takes what its wrapper takes.
+    wrapped = binds(True)
+    return None if wrapped is None or binds(False) is None else wrapped
 
 
 # --- the session: prepare, trials, close -------------------------------------------------
@@ -2165,6 +2206,8 @@ class Session:
 
     def _is_oom(self, err, ooms_before):
         oom_type = getattr(self.torch, "OutOfMemoryError", None) or self.torch.cuda.OutOfMemoryError
+        if isinstance(err, DataRanOut):  # after an allocation the step caught, still not OOM
+            return False
         return isinstance(err, oom_type) or self._num_ooms() > ooms_before
 
     def freeze_heap(self):
@@ -2227,16 +2270,23 @@ class Session:
 
     def _segments(self):
         """The caching allocator's segments on the session's GPU, [(address, bytes,
-        expandable)]; none off the GPU."""
+        expandable)]; none off the GPU, None where this torch's snapshot cannot be read (the
+        room for a stranded block is then left out, not the search)."""
         if not self.on_gpu():
             return []
         torch = self.torch
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        return [(s["address"], s["total_size"], bool(s.get("is_expandable")))
-                for s in torch.cuda.memory_snapshot() if s.get("device") == index]
+        try:
+            return [(s["address"], s["total_size"], bool(s.get("is_expandable")))
+                    for s in torch.cuda.memory_snapshot() if s.get("device") == index]
+        except (KeyError, TypeError, RuntimeError):
+            return None
 
     def _largest_block(self, held_segments):
-        return _largest_new_segment(self._segments(), held_segments)
+        segments = self._segments()
+        if segments is None or held_segments is None:
+            return None
+        return _largest_new_segment(segments, held_segments)
 
     def _far_below(self, limit):
         """Whether the steps so far kept the cache far enough below `limit` that a step
@@ -2291,7 +2341,8 @@ class Session:
         self.settled = False
         _remove_hooks()  # any that an interrupt left behind
         # The cache holds only what the user holds now: what the trial adds is its own.
-        held_segments = {address for address, _, _ in self._segments()}
+        held_segments = self._segments()
+        held_segments = None if held_segments is None else {a for a, _, _ in held_segments}
         self.trial_peaks = peaks = self._phase_peaks()
         retry = False
         before_ooms = self._num_ooms()
@@ -2339,14 +2390,15 @@ class Session:
                 peaks.stop()  # the hooks go, whatever ended the steps
             _remove_hooks()
         result["ms"] = (time.perf_counter() - started) * 1000.0
+        clock = _Clock()  # where the time between two trials goes
         if result["result"] == "ran" and self.on_gpu():
             result["largest_block"] = self._largest_block(held_segments)
+            clock.lap("segments")
         if peaks is not None:
             result["peak_allocated"] = peaks.allocated()
             result["peak_reserved"] = peaks.reserved()
             if peaks.phases() is not None:
                 result["phase_peaks"] = peaks.phases()
-        clock = _Clock()  # where the time between two trials goes
         gc.collect()  # the step's garbage (cycles too) goes before the state comes back
         clock.lap("collect")
         self._settle(collect=False)
