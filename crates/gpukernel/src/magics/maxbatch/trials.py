@@ -1478,26 +1478,7 @@ class ModuleStep:
                 own["high"] = min(self.vocab, trained.shape[-1]) if trained.dim() else 1
                 own["targets"] = words = _ids_below(words, own["high"])
             self.own = own
-            if self.loss_requested == "own":
-                reason = None
-            elif failed is not None:
-                reason = (f"without {parameter} its forward fails ({failed}); given them it "
-                          f"returns the loss, which a loop that passes them trains on")
-            elif found[1] == "output" or trained is found[0]:  # all a loop given them has
-                reason = (f"given {parameter}, its forward returns the loss alone, which a "
-                          f"loop that passes them trains on")
-            elif list(trained.shape) != shape:
-                reason = (f"without {parameter} its forward returns {where} {shape}, not the "
-                          f"{list(trained.shape)} it trains on with them: --loss ce computes "
-                          f"cross-entropy on that instead")
-            else:
-                # The same logits either way, but not the same loss: a Hugging Face model's
-                # upcasts bf16 logits to float32 and keeps that copy's softmax for backward
-                # (about 2.5 times the memory of cross-entropy on the bf16 logits). A loop
-                # that passes the targets (Trainer's, the Hugging Face examples') trains on it.
-                reason = (f"a loop that passes {parameter} trains on the loss its forward "
-                          f"returns; --loss ce sizes cross-entropy on {where} instead, if "
-                          f"yours computes its own")
+            reason = self._own_loss_reason(parameter, (shape, where), trained, found, failed)
             reply = {"parameter": parameter, "targets": words, "returned": found[1],
                      "reason": reason}
             return {"own_loss": reply, "shape": list(trained.shape), "selected": trained_where,
@@ -1510,6 +1491,31 @@ class ModuleStep:
                 + (f", and without {parameter} it fails ({failed})" if failed else "")
                 + f": {STEP_HINT}")
         return {}
+
+    def _own_loss_reason(self, parameter, output, trained, found, failed):
+        """Why the step trains on the loss the forward returns with `parameter` (None where
+        --loss own asked for it): what the forward gives without them (`output`: its shape
+        and where it was read, or None) against what it trains on with them (`trained`),
+        and how the loss was found (`found`)."""
+        shape, where = output
+        if self.loss_requested == "own":
+            return None
+        if failed is not None:
+            return (f"without {parameter} its forward fails ({failed}); given them it returns "
+                    f"the loss, which a loop that passes them trains on")
+        if found[1] == "output" or trained is found[0]:  # all a loop given them has
+            return (f"given {parameter}, its forward returns the loss alone, which a loop that "
+                    f"passes them trains on")
+        if list(trained.shape) != shape:
+            return (f"without {parameter} its forward returns {where} {shape}, not the "
+                    f"{list(trained.shape)} it trains on with them: --loss ce computes "
+                    f"cross-entropy on that instead")
+        # The same logits either way, but not the same loss: a Hugging Face model's upcasts
+        # bf16 logits to float32 and keeps that copy's softmax for backward (about 2.5 times
+        # the memory of cross-entropy on the bf16 logits). A loop that passes the targets
+        # (Trainer's, the Hugging Face examples') trains on it.
+        return (f"a loop that passes {parameter} trains on the loss its forward returns; "
+                f"--loss ce sizes cross-entropy on {where} instead, if yours computes its own")
 
     def _targets(self, own, batch):
         torch = self.torch
