@@ -830,6 +830,7 @@ def magic_row(v, wall_seconds):
             "held": v.get("held"), "trial_ms": v.get("trial_ms"),
             "trial_steps": v.get("trial_steps"),
             "confirmation": v.get("confirmation"), "room": v.get("room"),
+            "margin_batch": v.get("margin_batch"), "room_held": v.get("room_held"),
             "timings_ms": v.get("timings_ms"),
             "notes": v.get("notes"),
             # [batch, result, peak, reserved, {outside, optimizer} peaks or None]

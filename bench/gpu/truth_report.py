@@ -132,12 +132,12 @@ def targets(python_rows):
     print(f"- 30 steps at the recommendation: {len(ok_rec)} of {n}" + (
         f"; at the maximum itself: {len(ok_max)} of {len(at_max)}" if at_max else ""))
     held_down = [r for r in python_rows if r.get("room") and r.get("max_batch")
-                 and r["room"]["largest_batch"] < recommend(r["max_batch"])]
+                 and r["room"]["largest_batch"] < margin_batch(r)]
     if held_down:
-        print("  - held below the 5% margin's batch by the room for a block the cache can "
-              "strand (gpuprobe::stranded): " + ", ".join(
-                  f"{r['model']} {recommend(r['max_batch'])} -> {r['recommended']} (its largest "
-                  f"block {r['room']['block'] / 2**30:.1f} GiB at {r['room']['at_batch']})"
+        print("  - held below the margin's batch by the room for a block the cache can strand "
+              "(gpuprobe::stranded): " + ", ".join(
+                  f"{r['model']} {margin_batch(r)} -> {r['recommended']} (its largest block "
+                  f"{r['room']['block'] / 2**30:.1f} GiB at {r['room']['at_batch']})"
                   for r in held_down))
     print(f"- trials: median {statistics.median(trials):g}, at most {max(trials)} "
           "(targets 6 and 10)" + (
@@ -149,9 +149,12 @@ def targets(python_rows):
           if timed else "- time against the baseline: not timed in this run (SURVEY=1)")
 
 
-def recommend(max_batch, margin=0.05):
-    """gpuprobe::search::recommend: the margin off, down to a multiple of 8 from 16 up."""
-    batch = int(max_batch * (1 - margin))
+def margin_batch(r):
+    """The margin's batch below the row's maximum, as %maxbatch's JSON gives it; rows written
+    before it did (2026-12-07e/f) get gpuprobe::search::recommend's at the default 5%."""
+    if r.get("margin_batch") is not None:
+        return r["margin_batch"]
+    batch = int(r["max_batch"] * 0.95)
     return batch - batch % 8 if batch >= 16 else max(batch, 1)
 
 

@@ -477,7 +477,8 @@ fn summary_json(f: &Findings) -> serde_json::Value {
     json!({
         "model": f.model, "max_batch": search.max_fit, "exact": search.exact,
         "settled": search.settled, "recommended": recommended,
-        "margin_percent": f.margin_percent, "limit_bytes": f.limit,
+        "margin_percent": f.margin_percent, "margin_batch": f.margin_batch(),
+        "room_held": f.room_holding().is_some(), "limit_bytes": f.limit,
         "device_total_bytes": f.device_total,
         "card_bytes": f.card.map(|c| c.bytes), "context_bytes": f.card.and_then(|c| c.context),
         "fit": {"fixed_bytes": search.fit.map(|x| x.0), "bytes_per_sample": search.fit.map(|x| x.1)},
@@ -707,6 +708,8 @@ mod tests {
         );
         assert_eq!(data["application/json"]["recommended"], 1528);
         assert_eq!(data["application/json"]["room"]["largest_batch"], 1530);
+        assert_eq!(data["application/json"]["margin_batch"], 1616);
+        assert_eq!(data["application/json"]["room_held"], true);
         let room = f.room.unwrap();
         // Room to spare at the margin's batch: the margin alone, and no line on it.
         f.room = Some(Room {
