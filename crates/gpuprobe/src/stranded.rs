@@ -40,10 +40,11 @@ pub struct Room {
 }
 
 /// How far below the margin's batch the room may hold a recommendation. For a block that
-/// grows with the batch the room costs about the block's share of a sample (9 to 12% on the
-/// benchmark's rows it held: an fp16 GPT's logits, a checkpointed GPT's, ResNet-18's first
-/// activation); a bound below half means a block that barely shrinks with the batch (a
-/// weight's, an embedding's gradient), which a smaller batch cannot make room for.
+/// grows with the batch the bound lies 10 to 14% below the maximum on the benchmark's rows it
+/// held (an fp16 GPT's logits, a checkpointed GPT's, ResNet-18's first activation:
+/// maxbatch-truth-2026-12-07f); a bound below half the margin's batch means a block that
+/// barely shrinks with the batch (a weight's, an embedding's gradient), which a smaller batch
+/// cannot make room for.
 pub const LOWEST_HELD: f64 = 0.5;
 
 impl Room {
