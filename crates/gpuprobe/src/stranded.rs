@@ -62,6 +62,13 @@ impl Room {
     }
 }
 
+/// The recommendation for `max` with `margin` (a fraction), held at the room's bound where
+/// the room holds it ([`Room::holds`]): what the python engine confirms and reports.
+pub fn recommend(max: u64, margin: f64, room: Option<Room>) -> u64 {
+    let margin_batch = crate::search::recommend(max, margin);
+    crate::search::recommend_within(max, margin, room.and_then(|r| r.holds(margin_batch)))
+}
+
 /// The room for one stranded block under `limit`, from the trials that fitted; `None` with
 /// no trial to read it from. The allocated peak and the block are each taken as a line in
 /// the batch, through the largest trial and the smallest below it (the search's own
@@ -141,6 +148,8 @@ mod tests {
         );
         assert_eq!(room.holds(216), Some(room.largest_batch));
         assert_eq!(room.holds(208), None);
+        assert_eq!(recommend(232, 0.05, Some(room)), 208);
+        assert_eq!(recommend(232, 0.05, None), 216);
     }
 
     #[test]

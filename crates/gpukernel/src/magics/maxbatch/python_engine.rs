@@ -734,9 +734,7 @@ fn search_and_confirm(
     let room = room_for_a_stranded_block(&fitted, limit);
     let confirmation = match (args.no_confirm, args.search, result.max_fit) {
         (false, SearchKind::Fit, Some(max)) => {
-            let margin = args.margin / 100.0;
-            let held = room.and_then(|r| r.holds(search::recommend(max, margin)));
-            let first = search::recommend_within(max, margin, held);
+            let first = stranded::recommend(max, args.margin / 100.0, room);
             let ran: Vec<Record> = fitted.iter().map(|&(r, _)| r).collect();
             Some(confirm(
                 session,

@@ -266,13 +266,10 @@ impl Findings {
     pub(super) fn recommended(&self) -> Option<u64> {
         match &self.confirmation {
             Some(c) => c.batch,
-            None => self.search.max_fit.map(|m| {
-                let margin = self.margin_percent / 100.0;
-                let held = self
-                    .room
-                    .and_then(|r| r.holds(gpuprobe::search::recommend(m, margin)));
-                gpuprobe::search::recommend_within(m, margin, held)
-            }),
+            None => self
+                .search
+                .max_fit
+                .map(|m| gpuprobe::stranded::recommend(m, self.margin_percent / 100.0, self.room)),
         }
     }
 

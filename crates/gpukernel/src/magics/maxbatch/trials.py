@@ -189,7 +189,6 @@ def _bring_back(current, kept):
 
 def _needs_closure(opt):
     """Whether `opt.step` must be given a closure that recomputes the loss (LBFGS)."""
-    import inspect
     try:
         closure = inspect.signature(opt.step).parameters.get("closure")
     except (TypeError, ValueError):
@@ -455,7 +454,7 @@ class Snapshot:
         self.torch = torch
         reached = reached or {}
         params, buffers, watched, seen = [], [], [], set()
-        optimized = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+        optimized = set().union(*map(_held_parameters, optimizers))
         self.fixed_bytes = 0
         for module in modules:
             for p in module.parameters():
@@ -514,10 +513,8 @@ class Snapshot:
                         if id(t) not in self.seen and _holds_data(torch, t)),
                        key=lambda nt: nt[1].numel() * nt[1].element_size())
         kept, left_out, total = [], [], 0
-        for name, t in fresh:
+        for name, t in fresh:  # each tensor once: find_state keeps an object under one name
             size = t.numel() * t.element_size()
-            if id(t) in self.seen:
-                continue  # the same tensor under two names
             self.seen.add(id(t))
             if total + size > self.LOOSE_BYTES:
                 left_out.append(name)
@@ -611,7 +608,7 @@ class Snapshot:
                 if len(group["params"]) != len(group_params) or any(
                         a is not b for a, b in zip(group["params"], group_params)):
                     group["params"] = list(group_params)
-            held = {id(p) for group in opt.param_groups for p in group["params"]}
+            held = _held_parameters(opt)
             for p in [p for p in opt.state if id(p) not in held]:
                 del opt.state[p]
         for p, flag in self.requires_grad:
@@ -695,7 +692,7 @@ def find_state(torch, user_ns, extra=()):
     budget = [REACH_OBJECTS]
     kept = {}  # id -> (kind, name): an object reached by two paths is kept once
 
-    def keep(kind, name, obj, depth):
+    def keep(kind, name, obj):
         """Under the shortest of its paths' names (`opt` rather than `opts['gpt']`, and
         the notebook's name on a tie, its variables being visited first); a name another
         object holds already (a closure's `model` beside the notebook's) is numbered."""
@@ -726,20 +723,20 @@ def find_state(torch, user_ns, extra=()):
         depth_seen[id(obj)] = depth
         for kind, cls in kinds.items():
             if isinstance(obj, cls):
-                keep("scaler" if kind == "cuda_scaler" else kind, name, obj, depth)
+                keep("scaler" if kind == "cuda_scaler" else kind, name, obj)
                 return
         if torch.is_tensor(obj):
             if reached:
-                keep("tensor", name, obj, depth)
+                keep("tensor", name, obj)
             return
         if isinstance(obj, generators):
             if reached:
-                keep("generator", name, obj, depth)
+                keep("generator", name, obj)
             return
         if depth == 0:
             return
         if reached and type(obj) in (list, dict):  # a history, a flag the step keeps
-            keep("container", name, obj, depth)
+            keep("container", name, obj)
         if isinstance(obj, dict):
             for k, v in list(obj.items())[:256]:
                 visit(f"{name}[{k!r}]", v, depth - 1, reached)
@@ -749,7 +746,7 @@ def find_state(torch, user_ns, extra=()):
         elif hasattr(obj, "__dict__") and not callable(obj):
             attrs = vars(obj)
             if reached and type(attrs) is dict:
-                keep("object", name, obj, depth)
+                keep("object", name, obj)
             for k, v in list(attrs.items())[:256]:
                 visit(f"{name}.{k}", v, depth - 1, reached)
         elif callable(obj) and hasattr(obj, "__self__"):  # a bound method: its object
@@ -1138,8 +1135,8 @@ class ModuleStep:
         self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
             user_ns, spec, found)
         mine = [self.optimizer] if self.optimizer is not None else []
-        self.optimized = {id(p) for opt in (*found["optimizer"].values(), *mine)
-                          for g in opt.param_groups for p in g["params"]}
+        self.optimized = set().union(*map(_held_parameters,
+                                          (*found["optimizer"].values(), *mine)))
         self.closure = self.optimizer is not None and _needs_closure(self.optimizer)
         self.scaler = None
         if self.amp is torch.float16 and not self.inference:
@@ -1347,7 +1344,6 @@ class ModuleStep:
     def _forward_signature(self):
         """The forward's signature: the model's own under torch.compile (whose wrapper takes
         *args, **kwargs); None for a builtin or C++ forward, which has nothing to read."""
-        import inspect
         model = getattr(self.model, "_orig_mod", self.model)
         try:
             return inspect.signature(model.forward)
@@ -1356,7 +1352,6 @@ class ModuleStep:
 
     def _targets_parameter(self):
         """The forward's optional argument for training targets, if it has one."""
-        import inspect
         signature = self._forward_signature()
         if signature is None:
             return None
@@ -1719,7 +1714,6 @@ class ModuleStep:
     def _inputs_named_in(self, failure):
         """The forward's optional arguments, other than the one fed, that its failure names:
         inputs it needs together with that one."""
-        import inspect
         import re
         signature = self._forward_signature()
         if signature is None:
@@ -1735,7 +1729,6 @@ class ModuleStep:
     def _keyword_only(self):
         """The forward's keyword-only arguments, where it takes no positional one (a builtin
         forward's signature cannot be read: None)."""
-        import inspect
         signature = self._forward_signature()
         if signature is None:
             return None
