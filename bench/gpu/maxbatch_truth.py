@@ -973,11 +973,18 @@ def truth(nb, key, row):
 
 def libtorch_row(nb, name, args, true_max):
     """The libtorch engine on the same module; no --limit: a notebook module is sized
-    against its kernel's allocator budget."""
+    against its kernel's allocator budget. Alone (LIBTORCH_ONLY), its recommendation runs the
+    notebook's own loop for 30 steps, and so does the margin's batch where the room for a
+    stranded block held the recommendation below it."""
     lt = nb.magic(args + " --engine libtorch --trial-timeout 120")
     row = {"model": name, "engine": "libtorch", "args": args, **lt, "true_max": true_max}
     if lt.get("max_batch") and true_max:
         row["ratio"] = lt["max_batch"] / true_max
+    key = STEP_KEYS.get(name, name)
+    if LIBTORCH_ONLY and lt.get("recommended"):
+        row["steps_ok_at_recommended"] = nb.value(f"steps_ok({key!r}, {lt['recommended']})")
+        if lt.get("room_held"):
+            row["steps_ok_at_margin_batch"] = nb.value(f"steps_ok({key!r}, {lt['margin_batch']})")
     log(f"   libtorch {lt}")
     return row
 

@@ -184,6 +184,39 @@ int gpa_device_stats(int32_t device, gpa_device_stats_t* out, char* err, size_t 
   });
 }
 
+int gpa_segments(int32_t device, gpa_segment_t* out, size_t capacity, size_t* count, char* err,
+                 size_t err_len) {
+  return guarded(err, err_len, [&]() -> int {
+    if (count == nullptr || (out == nullptr && capacity > 0)) {
+      throw std::invalid_argument("gpa_segments: null output");
+    }
+    if (initialised_allocator() == nullptr) {
+      return not_initialised(err, err_len);
+    }
+    if (!valid_device(device, err, err_len)) {
+      return GPA_ERROR;
+    }
+    size_t found = 0;
+#ifdef GPUPROBE_SHIM_CUDA
+    // Without traces: the segments alone, as torch.cuda.memory_snapshot() lists them.
+    const auto info = c10::cuda::CUDACachingAllocator::snapshot({0, 0}, false);
+    for (const auto& segment : info.segments) {
+      if (segment.device != static_cast<c10::DeviceIndex>(device)) {
+        continue;
+      }
+      if (found < capacity) {
+        out[found] = gpa_segment_t{static_cast<uint64_t>(segment.address),
+                                   static_cast<uint64_t>(segment.total_size),
+                                   segment.is_expandable ? 1 : 0};
+      }
+      ++found;
+    }
+#endif
+    *count = found;
+    return GPA_OK;
+  });
+}
+
 int gpa_empty_cache(char* err, size_t err_len) {
   return guarded(err, err_len, [&]() -> int {
     c10::DeviceAllocator* allocator = initialised_allocator();

@@ -44,11 +44,24 @@ typedef struct {
   uint64_t total_bytes;
 } gpa_device_stats_t;
 
+// One segment of the caching allocator: a cudaMalloc'd range (or, under expandable_segments,
+// a mapped one that grows in place).
+typedef struct {
+  uint64_t address;
+  uint64_t total_size;
+  int32_t is_expandable;
+} gpa_segment_t;
+
 // *out = 1 when the CUDA caching allocator is set up (CUDA was initialised in this process).
 int gpa_initialized(int32_t* out, char* err, size_t err_len);
 // Visible CUDA devices. GPA_NOT_INITIALISED unless the allocator is set up.
 int gpa_device_count(int32_t* out, char* err, size_t err_len);
 int gpa_device_stats(int32_t device, gpa_device_stats_t* out, char* err, size_t err_len);
+// Writes up to `capacity` of `device`'s segments into `out` and how many there are into
+// *count, which may be more than `capacity`: call again with room for them all. Reads the
+// allocator's snapshot without its traces.
+int gpa_segments(int32_t device, gpa_segment_t* out, size_t capacity, size_t* count, char* err,
+                 size_t err_len);
 // Returns cached, unused blocks of every device to CUDA.
 int gpa_empty_cache(char* err, size_t err_len);
 int gpa_reset_peak(int32_t device, char* err, size_t err_len);

@@ -6,6 +6,7 @@
 //! CUDA.
 
 use crate::plugin_api::{AllocatorStats, DeviceAllocatorStats, Stat};
+use crate::stranded::Segment;
 use std::ffi::{c_char, c_int, CStr};
 use thiserror::Error;
 
@@ -56,12 +57,29 @@ struct RawDeviceStats {
     total_bytes: u64,
 }
 
+/// `gpa_segment_t` in allocator.h.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct RawSegment {
+    address: u64,
+    total_size: u64,
+    is_expandable: i32,
+}
+
 extern "C" {
     fn gpa_initialized(out: *mut i32, err: *mut c_char, err_len: usize) -> c_int;
     fn gpa_device_count(out: *mut i32, err: *mut c_char, err_len: usize) -> c_int;
     fn gpa_device_stats(
         device: i32,
         out: *mut RawDeviceStats,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn gpa_segments(
+        device: i32,
+        out: *mut RawSegment,
+        capacity: usize,
+        count: *mut usize,
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
@@ -163,6 +181,35 @@ pub fn snapshot() -> Result<AllocatorStats, AllocatorError> {
         initialized: true,
         devices,
     })
+}
+
+/// The caching allocator's segments on `device` (what `torch.cuda.memory_snapshot()` lists
+/// for it); [`AllocatorError::NotInitialised`] before CUDA is used.
+pub fn segments(device: usize) -> Result<Vec<Segment>, AllocatorError> {
+    let index = device_index(device)?;
+    let mut raw = vec![RawSegment::default(); 64];
+    loop {
+        let mut count = 0usize;
+        let capacity = raw.len();
+        let out = raw.as_mut_ptr();
+        // SAFETY: `out` points at `capacity` #[repr(C)] mirrors of gpa_segment_t, of which the
+        // shim writes at most `capacity`; they, `count` and the buffer outlive the call.
+        call(|err, len| unsafe { gpa_segments(index, out, capacity, &mut count, err, len) })?;
+        if count <= capacity {
+            raw.truncate(count);
+            break;
+        }
+        // More segments than room (or some made between two calls): again with room for all.
+        raw.resize(count + 16, RawSegment::default());
+    }
+    Ok(raw
+        .into_iter()
+        .map(|s| Segment {
+            address: s.address,
+            bytes: s.total_size,
+            expandable: s.is_expandable != 0,
+        })
+        .collect())
 }
 
 /// Returns cached, unused blocks to CUDA. `Ok(false)`: nothing to do, CUDA was never used.
@@ -292,6 +339,20 @@ mod tests {
             try_allocate(0, u64::MAX),
             Err(AllocatorError::InvalidArgument(_))
         ));
+        assert!(matches!(
+            segments(1000),
+            Err(AllocatorError::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn segments_are_not_read_before_cuda_is_used() {
+        // These tests use CUDA nowhere (the CPU machine has none): the shim answers without
+        // creating a context, and the search leaves the room out.
+        if tch::Cuda::is_available() {
+            return;
+        }
+        assert_eq!(segments(0), Err(AllocatorError::NotInitialised));
     }
 
     #[test]

@@ -22,6 +22,7 @@ use crate::plugin_api::{
     ThroughputPoint, BUILTIN_MODELS,
 };
 use crate::search::{self, Outcome, SearchConfig, Stop};
+use crate::stranded;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 use tch::nn::{self, ModuleT};
@@ -511,7 +512,23 @@ struct TrialRun {
     /// cannot give back while the rest of their segment is in use).
     active_peak: u64,
     inactive_split_peak: u64,
+    /// The largest segment the trial made the cache reserve (`stranded::largest_new_segment`);
+    /// `None` where it did not fit, under expandable segments, or the segments were unreadable.
+    largest_block: Option<u64>,
     ms: f64,
+}
+
+/// The addresses of the cache's segments on `device` now; `None` where they cannot be read,
+/// which leaves the room for a stranded block out, not the trial.
+fn held_segments(device: usize) -> Option<Vec<u64>> {
+    let segments = allocator::segments(device).ok()?;
+    Some(segments.iter().map(|s| s.address).collect())
+}
+
+/// The largest segment made since `held` was read.
+fn largest_block(device: usize, held: Option<&[u64]>) -> Option<u64> {
+    let segments = allocator::segments(device).ok()?;
+    stranded::largest_new_segment(&segments, held?)
 }
 
 /// Runs `steps` steps at `batch` after resetting the peak counters; an OOM by the counter.
@@ -527,6 +544,8 @@ fn trial(
     if fresh {
         let _ = allocator::empty_cache();
     }
+    // What the cache holds now (the model's weights) is not the trial's: left out of its blocks.
+    let held = held_segments(device);
     trainer.peaks = Some(TrialPeaks::start(device)?);
     let before = ooms(device);
     let start = Instant::now();
@@ -556,6 +575,7 @@ fn trial(
             reserved_peak: 0,
             active_peak: 0,
             inactive_split_peak: 0,
+            largest_block: None,
             ms,
         }),
         Ok(Ok(())) => {
@@ -573,6 +593,7 @@ fn trial(
                 reserved_peak: peaks.reserved,
                 active_peak: peaks.active,
                 inactive_split_peak: peaks.inactive_split,
+                largest_block: largest_block(device, held.as_deref()),
                 ms,
             })
         }
@@ -836,6 +857,7 @@ pub fn run(
     };
     let mut durations: Vec<(u64, f64)> = Vec::new();
     let mut reserved: Vec<(u64, u64)> = Vec::new();
+    let mut blocks: Vec<(u64, u64)> = Vec::new();
     let probe = |batch: u64| -> Result<Outcome, Stop> {
         let start = serde_json::json!({"event": "trial_start", "batch": batch});
         if progress(&start.to_string()) {
@@ -847,12 +869,14 @@ pub fn run(
         durations.push((batch, run.ms));
         if matches!(run.outcome, Outcome::Ran { .. }) {
             reserved.push((batch, run.reserved_peak));
+            blocks.extend(run.largest_block.map(|block| (batch, block)));
         }
         let event = serde_json::json!({"event": "trial", "batch": batch, "outcome": run.outcome,
                                        "fits": matches!(run.outcome, Outcome::Ran{peak, ..} if peak <= limit),
                                        "reserved_peak": run.reserved_peak,
                                        "active_peak": run.active_peak,
                                        "inactive_split_peak": run.inactive_split_peak,
+                                       "largest_block": run.largest_block,
                                        "ms": run.ms, "limit": limit});
         if progress(&event.to_string()) {
             return Err(Stop::Cancelled);
@@ -879,6 +903,7 @@ pub fn run(
         after_reserved: after.reserved_bytes.current.max(0) as u64,
         trial_ms: durations,
         trial_reserved: reserved,
+        trial_blocks: blocks,
         elapsed_ms: started.elapsed().as_secs_f64() * 1000.0,
         device_total: baseline.total,
     })

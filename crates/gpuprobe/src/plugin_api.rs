@@ -222,6 +222,10 @@ pub struct MaxBatchReport {
     /// hold, beside the allocated peak the fit uses.
     #[serde(default)]
     pub trial_reserved: Vec<(u64, u64)>,
+    /// (batch, the largest segment it made the cache reserve) of each trial that ran, where
+    /// the segments could be read and are not expandable: what `stranded::room` needs.
+    #[serde(default)]
+    pub trial_blocks: Vec<(u64, u64)>,
     pub elapsed_ms: f64,
     pub device_total: u64,
 }

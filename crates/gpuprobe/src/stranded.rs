@@ -15,6 +15,33 @@
 
 use serde::Serialize;
 
+/// One of the caching allocator's segments, as its snapshot lists it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    pub address: u64,
+    pub bytes: u64,
+    /// Under `expandable_segments`: mapped pages that grow in place, which strand nothing.
+    pub expandable: bool,
+}
+
+/// The largest of `segments` whose address is not in `held` (the segments there before a
+/// trial): the trial's largest single allocation as the cache rounds it, since each
+/// segment is made for one request. `None` under expandable segments, which strand no
+/// block; 0 where the trial made the cache reserve nothing new.
+pub fn largest_new_segment(segments: &[Segment], held: &[u64]) -> Option<u64> {
+    if segments.iter().any(|s| s.expandable) {
+        return None;
+    }
+    Some(
+        segments
+            .iter()
+            .filter(|s| !held.contains(&s.address))
+            .map(|s| s.bytes)
+            .max()
+            .unwrap_or(0),
+    )
+}
+
 /// A trial that fitted, as the room is computed from it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fitted {
@@ -67,6 +94,27 @@ impl Room {
 pub fn recommend(max: u64, margin: f64, room: Option<Room>) -> u64 {
     let margin_batch = crate::search::recommend(max, margin);
     crate::search::recommend_within(max, margin, room.and_then(|r| r.holds(margin_batch)))
+}
+
+/// The room from a search's trials that fitted, each as (batch, allocated peak, its largest
+/// block where measured); `None` where any of them measured no block (expandable segments,
+/// which strand none, or segments that could not be read): a room from some trials only
+/// would draw its lines through the wrong points.
+pub fn room_of_trials(
+    fitted: impl IntoIterator<Item = (u64, u64, Option<u64>)>,
+    limit: u64,
+) -> Option<Room> {
+    let trials: Option<Vec<Fitted>> = fitted
+        .into_iter()
+        .map(|(batch, peak, block)| {
+            Some(Fitted {
+                batch,
+                peak,
+                largest_block: block?,
+            })
+        })
+        .collect();
+    room(&trials?, limit)
 }
 
 /// The room for one stranded block under `limit`, from the trials that fitted; `None` with
@@ -177,6 +225,26 @@ mod tests {
         let gradient = room(&heavy, 135_000_000_000).expect("trials");
         assert!(gradient.out_of_reach(1424), "{gradient:?}");
         assert_eq!(gradient.holds(1424), None);
+    }
+
+    #[test]
+    fn the_largest_block_is_the_largest_segment_a_trial_added() {
+        let segment = |address, bytes| Segment {
+            address,
+            bytes,
+            expandable: false,
+        };
+        // The weights' 4 GB segment was there before; the trial added 2 GB and 14 GB ones.
+        let after = [segment(1, 4 * GB), segment(2, 2 * GB), segment(3, 14 * GB)];
+        assert_eq!(largest_new_segment(&after, &[1]), Some(14 * GB));
+        assert_eq!(largest_new_segment(&after, &[1, 3]), Some(2 * GB));
+        assert_eq!(largest_new_segment(&after, &[1, 2, 3]), Some(0));
+        // Under expandable segments no block is stranded, so none is reported.
+        let mapped = [Segment {
+            expandable: true,
+            ..segment(4, 20 * GB)
+        }];
+        assert_eq!(largest_new_segment(&mapped, &[]), None);
     }
 
     #[test]

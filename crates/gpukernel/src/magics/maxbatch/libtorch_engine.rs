@@ -13,6 +13,7 @@ use gpuprobe::plugin_api::{
     ThroughputPoint,
 };
 use gpuprobe::search::Outcome;
+use gpuprobe::stranded::{self, Room};
 use gpuprobe::units::human_bytes;
 use serde::Deserialize;
 use serde_json::Value;
@@ -384,9 +385,27 @@ fn findings(
         margin_percent: args.margin,
         throughput: None,
         confirmation: None,
-        room: None,
+        room: room_for_a_stranded_block(report),
         timings: None,
     }
+}
+
+/// The room the recommendation leaves for one more of the step's largest blocks, as the
+/// python engine leaves it: the user's loop strands blocks under the default allocator just
+/// the same, whichever engine sized it.
+fn room_for_a_stranded_block(report: &MaxBatchReport) -> Option<Room> {
+    let block = |batch| {
+        report
+            .trial_blocks
+            .iter()
+            .find(|&&(b, _)| b == batch)
+            .map(|&(_, block)| block)
+    };
+    let fitted = report.search.trials.iter().filter_map(|t| match t.outcome {
+        Outcome::Ran { peak, .. } if t.fits => Some((t.batch, peak, block(t.batch))),
+        _ => None,
+    });
+    stranded::room_of_trials(fitted, report.limit)
 }
 
 /// What the libtorch trials assumed: the step, loss, precision, optimizer and input.
@@ -517,6 +536,55 @@ mod tests {
         );
         exported.seq_first.clear();
         assert_eq!(input_notes("lm", &exported).len(), 1);
+    }
+
+    fn report(blocks: Vec<(u64, u64)>) -> MaxBatchReport {
+        let gb = 1_000_000_000u64;
+        let ran = |batch, peak_gb: f64| gpuprobe::search::Trial {
+            batch,
+            outcome: Outcome::Ran {
+                peak: (peak_gb * gb as f64) as u64,
+                reserved: 0,
+                phases: None,
+            },
+            fits: true,
+        };
+        // The fp16 GPT's trials (maxbatch-truth-2026-12-07b), as this engine would run them.
+        let trials = vec![
+            ran(4, 2.784),
+            ran(64, 21.52),
+            gpuprobe::search::Trial {
+                batch: 244,
+                outcome: Outcome::OutOfMemory,
+                fits: false,
+            },
+            ran(232, 74.01),
+        ];
+        serde_json::from_value(serde_json::json!({
+            "search": SearchResult { max_fit: Some(232), min_fail: Some(233), trials,
+                                     ..search(65.5e6) },
+            "limit": 81_604_378_624u64, "baseline_allocated": 0, "after_allocated": 0,
+            "after_reserved": 0, "trial_ms": [], "trial_blocks": blocks, "elapsed_ms": 1.0,
+            "device_total": 85_000_000_000u64,
+        }))
+        .expect("a report")
+    }
+
+    #[test]
+    fn this_engine_leaves_the_same_room_for_a_stranded_block() {
+        let mb = 1_000_000u64;
+        let measured = report(vec![(4, 262 * mb), (64, 4190 * mb), (232, 15_200 * mb)]);
+        let room = room_for_a_stranded_block(&measured).expect("a room");
+        assert!((208..216).contains(&room.largest_batch), "{room:?}");
+        let args = super::super::tests::args(&["gpt", "--engine", "libtorch"]);
+        let request = request_for(&args, ModelSource::Builtin { name: "x".into() }, None);
+        let found = findings(&args, "gpt", &request, &measured, None);
+        assert_eq!(found.recommended(), Some(208));
+        // A trial without a block (expandable segments, or segments unread): the margin alone.
+        let partial = report(vec![(4, 262 * mb), (232, 15_200 * mb)]);
+        assert_eq!(room_for_a_stranded_block(&partial), None);
+        let found = findings(&args, "gpt", &request, &partial, None);
+        assert_eq!(found.recommended(), Some(216));
     }
 
     #[test]

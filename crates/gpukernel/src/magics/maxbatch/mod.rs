@@ -196,8 +196,8 @@ pub(super) struct Args {
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub(super) limit: Option<u64>,
     /// Safety margin below the maximum for the recommendation, in percent. Under PyTorch's
-    /// default allocator the python engine also leaves room for one more of the step's largest
-    /// allocations, which the cache can strand as it fragments (gpuprobe::stranded).
+    /// default allocator the recommendation also leaves room for one more of the step's
+    /// largest allocations, which the cache can strand as it fragments (gpuprobe::stranded).
     #[arg(long, value_name = "PCT", default_value_t = 5.0)]
     pub(super) margin: f64,
     /// Largest batch worth trying.

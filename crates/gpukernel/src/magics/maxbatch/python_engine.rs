@@ -11,7 +11,7 @@ use crate::magics::python::{module_call_expression, Bound, EvalError, PythonKern
 use crate::magics::{MagicContext, MagicError, Output};
 use gpuprobe::loss::{self, LossInputs, LossPlan};
 use gpuprobe::search::{self, Outcome, Phase, PhasePeaks, SearchConfig, SearchResult, Stop};
-use gpuprobe::stranded::{self, Fitted, Room};
+use gpuprobe::stranded::{self, Room};
 use gpuprobe::units::human_bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -758,17 +758,12 @@ fn search_and_confirm(
 /// trials that fitted; none where a trial gave no block size (expandable segments, which
 /// strand none, or off the GPU).
 fn room_for_a_stranded_block(fitted: &[(Record, u64)], limit: u64) -> Option<Room> {
-    let trials: Option<Vec<Fitted>> = fitted
-        .iter()
-        .map(|&(r, peak)| {
-            Some(Fitted {
-                batch: r.batch,
-                peak,
-                largest_block: r.largest_block?,
-            })
-        })
-        .collect();
-    stranded::room(&trials?, limit)
+    stranded::room_of_trials(
+        fitted
+            .iter()
+            .map(|&(r, peak)| (r.batch, peak, r.largest_block)),
+        limit,
+    )
 }
 
 fn stop_error(stop: Stop) -> MagicError {

@@ -221,7 +221,7 @@ pub(super) struct Findings {
     pub(super) throughput: Option<Throughput>,
     /// The recommendation run as a trial of its own (python engine, unless `--no-confirm`).
     pub(super) confirmation: Option<Confirmation>,
-    /// The room left for a block the cache strands (python engine, default allocator).
+    /// The room left for a block the cache strands (default allocator, either engine).
     pub(super) room: Option<Room>,
     pub(super) timings: Option<Timings>,
 }
