@@ -5,7 +5,7 @@ three). Runs maxbatch_truth.py's models and loop in this process (no kernel), on
 default allocator and once with expandable_segments, and records for each batch the steps of
 30 that ran and each step's allocator marks. Writes $OUT/holes_check.json.
 
-    OUT=/tmp/h CAP_GIB=76 python3 bench/gpu/holes_check.py [ROW] [BATCH ...]
+    OUT=/tmp/h CAP_GIB=76 [PROBES=216,232] python3 bench/gpu/holes_check.py [ROW] [BATCH ...]
 """
 import json
 import os
@@ -92,7 +92,9 @@ def main():
         return 0
     row = sys.argv[1] if len(sys.argv) > 1 else "gpt_fp16_scaler"
     sizes = [int(b) for b in sys.argv[2:]] or [216, 216, 200, 208, 212, 220, 224, 232]
-    batches = [("loop", b) for b in sizes] + [("probe", 216), ("probe", 232)]
+    # PROBES: the batches the truth's three-step probe also runs (the fp16 GPT's by default).
+    probes = [int(b) for b in os.environ.get("PROBES", "216,232").split(",") if b]
+    batches = [("loop", b) for b in sizes] + [("probe", b) for b in probes]
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "row": row, "cap_gib": CAP_GIB,
               "gpu": subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
                                      "--format=csv,noheader"], capture_output=True,

@@ -289,6 +289,17 @@ impl Findings {
         self.room.filter(|r| r.holds(margin).is_some())
     }
 
+    /// The room, where its bound lies below the maximum but not below the recommendation:
+    /// batches between the two ran in the trials and can still fail in the loop.
+    fn room_short_of_max(&self) -> Option<Room> {
+        let max = self.search.max_fit?;
+        let margin = self.margin_batch()?;
+        self.recommended()?;
+        self.room.filter(|r| {
+            r.largest_batch < max && r.holds(margin).is_none() && !r.out_of_reach(margin)
+        })
+    }
+
     /// The room, where no batch near the margin's leaves it.
     fn room_out_of_reach(&self) -> Option<Room> {
         let margin = self.margin_batch()?;
@@ -305,6 +316,9 @@ pub(super) fn summary(f: &Findings) -> Bundle {
     }
     if let Some(room) = f.room_out_of_reach() {
         text.push_str(&room_out_of_reach_line(&room));
+    }
+    if let Some(room) = f.room_short_of_max() {
+        text.push_str(&room_short_of_max_line(&room));
     }
     if let Some(c) = &f.confirmation {
         text.push_str(&confirmation_line(c, search.max_fit));
@@ -394,12 +408,27 @@ fn headline(f: &Findings) -> String {
 fn room_line(room: &Room) -> String {
     format!(
         "  the recommendation leaves room for one more of your step's largest allocations ({}): \
-         PyTorch's default allocator can strand one as its cache fragments, so above {} a run \
-         longer than the trials' few steps can fail, although {} ran. {EXPANDABLE}, and \
-         %maxbatch recommends from the margin alone\n",
+         PyTorch's default allocator can strand one as its cache fragments, so above {} your \
+         loop can run out of memory at any step from its second on, although {} ran here. \
+         {EXPANDABLE}, and %maxbatch recommends from the margin alone\n",
         block_text(room),
         room.largest_batch,
         room.at_batch,
+    )
+}
+
+/// Where the margin alone leaves the room, but batches above the room's bound ran: they are
+/// not safe to train at either (a Hugging Face GPT-2 on an H100: 76 ran in the trials, the
+/// loop's own maximum was 73, the bound 73; maxbatch-truth-2026-12-07j).
+fn room_short_of_max_line(room: &Room) -> String {
+    format!(
+        "  note: above {} your loop can run out of memory at any step from its second on, \
+         although {} ran here: PyTorch's default allocator can strand one of your step's \
+         largest allocations ({}) as its cache fragments, and the recommendation leaves room \
+         for it. {EXPANDABLE}\n",
+        room.largest_batch,
+        room.at_batch,
+        block_text(room),
     )
 }
 
@@ -700,7 +729,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("so above 1530 a run longer than the trials' few steps can fail, although 1705 ran. Restart the kernel with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
+            text.contains("so above 1530 your loop can run out of memory at any step from its second on, although 1705 ran here. Restart the kernel with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
             "{text}"
         );
         assert_eq!(data["application/json"]["recommended"], 1528);
@@ -708,7 +737,8 @@ mod tests {
         assert_eq!(data["application/json"]["margin_batch"], 1616);
         assert_eq!(data["application/json"]["room_held"], true);
         let room = f.room.unwrap();
-        // Room to spare at the margin's batch: the margin alone, and no line on it.
+        // Room to spare at the margin's batch: the margin alone, and a note that the batches
+        // above the bound, which ran here, can still fail in the loop.
         f.room = Some(Room {
             largest_batch: 1700,
             ..room
@@ -718,6 +748,17 @@ mod tests {
             text.contains("recommended: 1616 (5% margin, multiple of 8)"),
             "{text}"
         );
+        assert!(
+            text.contains("note: above 1700 your loop can run out of memory at any step from its second on, although 1705 ran here"),
+            "{text}"
+        );
+        assert!(!text.contains("leaves room for one more"), "{text}");
+        // Room at the maximum itself: nothing to say.
+        f.room = Some(Room {
+            largest_batch: 1705,
+            ..room
+        });
+        let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
         assert!(!text.contains("stranded"), "{text}");
         // No batch near the margin's leaves room (a block of fixed size): the margin's batch,
         // and a note that only expandable segments avoid the failure.
