@@ -234,6 +234,39 @@ def test_the_export_names_the_allocator_budget_of_its_kernel():
     assert module._allocator_limit(card(0.25), 0) == 35 * gib  # a notebook capped to a share
 
 
+def test_the_export_says_whether_its_kernels_cache_strands_blocks():
+    """The libtorch engine leaves room for a stranded block only where the notebook's own
+    allocator can strand one: not under expandable segments, whether the segments it holds
+    say so or, before it holds any, the settings it reads at start (a stand-in for
+    torch.cuda, as above)."""
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("export_module", EXPORT_MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    device = SimpleNamespace(index=0)
+
+    def holding(*segments):
+        return SimpleNamespace(cuda=SimpleNamespace(memory_snapshot=lambda: list(segments)))
+
+    mapped = {"device": 0, "is_expandable": True}
+    carved = {"device": 0, "is_expandable": False}
+    other_card = {"device": 1, "is_expandable": True}
+    assert module._expandable_segments(holding(mapped), device, {}) is True
+    assert module._expandable_segments(holding(carved, other_card), device, {}) is False
+    # The segments outrank the settings (set at run time through torch.cuda.memory).
+    conf = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert module._expandable_segments(holding(carved), device, conf) is False
+    # Nothing held on the card yet: the settings decide.
+    empty = holding(other_card)
+    assert module._expandable_segments(empty, device, conf) is True
+    assert module._expandable_segments(
+        empty, device, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True"})
+    assert module._expandable_segments(
+        empty, device, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) is False
+    assert module._expandable_segments(empty, device, {}) is False
+
+
 def test_amp_and_dtype_do_not_combine(magics):
     km, kc = magics
     reply, _ = execute(kc, "%maxbatch resnet18 --amp bf16 --dtype fp16")

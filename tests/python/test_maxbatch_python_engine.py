@@ -3013,11 +3013,14 @@ def test_the_largest_block_is_the_largest_segment_the_trial_made(trials):
     """Each segment of the caching allocator is made for one request: the largest the trial
     made is its largest allocation. The user's own (there before) are not the trial's, and
     under expandable segments nothing is stranded, so there is no block to leave room for."""
-    held = {0x1000}
+    held = {(0x1000, 8 << 30)}
     segments = [(0x1000, 8 << 30, False), (0x9000, 14 << 30, False), (0x5000, 2 << 20, False)]
     assert trials._largest_new_segment(segments, held) == 14 << 30
     assert trials._largest_new_segment(segments[:1], held) == 0
     assert trials._largest_new_segment([(0x1000, 80 << 30, True)], set()) is None
+    # The user's 8 GiB segment given back (a gradient freed) and a 20 GiB one made at its
+    # address by the trial: the trial's, as gpuprobe's stranded::largest_new_segment has it.
+    assert trials._largest_new_segment([(0x1000, 20 << 30, False)], held) == 20 << 30
 
 
 def test_a_trial_reads_the_segments_of_its_own_gpu_from_the_allocators_snapshot(
@@ -3038,7 +3041,8 @@ def test_a_trial_reads_the_segments_of_its_own_gpu_from_the_allocators_snapshot(
         ]
         monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: snapshot)
         assert session._segments() == [(0x20, 2 << 30, False), (0x30, 6 << 30, False)]
-        assert session._largest_block({0x30}) == 2 << 30  # card 0's 40 GiB is not this card's
+        # Card 0's 40 GiB is not this card's.
+        assert session._largest_block({(0x30, 6 << 30)}) == 2 << 30
         monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [{"device": 1}])
         assert session._segments() is None and session._largest_block(set()) is None
     finally:

@@ -512,23 +512,7 @@ struct TrialRun {
     /// cannot give back while the rest of their segment is in use).
     active_peak: u64,
     inactive_split_peak: u64,
-    /// The largest segment the trial made the cache reserve (`stranded::largest_new_segment`);
-    /// `None` where it did not fit, under expandable segments, or the segments were unreadable.
-    largest_block: Option<u64>,
     ms: f64,
-}
-
-/// The addresses of the cache's segments on `device` now; `None` where they cannot be read,
-/// which leaves the room for a stranded block out, not the trial.
-fn held_segments(device: usize) -> Option<Vec<u64>> {
-    let segments = allocator::segments(device).ok()?;
-    Some(segments.iter().map(|s| s.address).collect())
-}
-
-/// The largest segment made since `held` was read.
-fn largest_block(device: usize, held: Option<&[u64]>) -> Option<u64> {
-    let segments = allocator::segments(device).ok()?;
-    stranded::largest_new_segment(&segments, held?)
 }
 
 /// Runs `steps` steps at `batch` after resetting the peak counters; an OOM by the counter.
@@ -544,8 +528,6 @@ fn trial(
     if fresh {
         let _ = allocator::empty_cache();
     }
-    // What the cache holds now (the model's weights) is not the trial's: left out of its blocks.
-    let held = held_segments(device);
     trainer.peaks = Some(TrialPeaks::start(device)?);
     let before = ooms(device);
     let start = Instant::now();
@@ -575,7 +557,6 @@ fn trial(
             reserved_peak: 0,
             active_peak: 0,
             inactive_split_peak: 0,
-            largest_block: None,
             ms,
         }),
         Ok(Ok(())) => {
@@ -593,7 +574,6 @@ fn trial(
                 reserved_peak: peaks.reserved,
                 active_peak: peaks.active,
                 inactive_split_peak: peaks.inactive_split,
-                largest_block: largest_block(device, held.as_deref()),
                 ms,
             })
         }
@@ -822,6 +802,66 @@ fn failed(e: TrialError) -> Stop {
     Stop::Failed(e.to_string())
 }
 
+/// What the search's trials measured beside their outcomes, per batch.
+#[derive(Default)]
+struct SearchTrials {
+    durations: Vec<(u64, f64)>,
+    /// The cache's reserved peak of each trial that ran.
+    reserved: Vec<(u64, u64)>,
+    /// The largest segment each trial that ran made the cache reserve, where readable.
+    blocks: Vec<(u64, u64)>,
+}
+
+impl SearchTrials {
+    /// One search trial at `batch` from a freshly built model, reported through `progress`
+    /// (which returns true to stop).
+    fn probe(
+        &mut self,
+        request: &MaxBatchRequest,
+        batch: u64,
+        limit: u64,
+        progress: &dyn Fn(&str) -> bool,
+    ) -> Result<Outcome, Stop> {
+        let device = request.device;
+        let start = serde_json::json!({"event": "trial_start", "batch": batch});
+        if progress(&start.to_string()) {
+            return Err(Stop::Cancelled);
+        }
+        // The last trial's segments go before this one's weights are made, so that what the
+        // cache holds when the steps begin is the weights' alone, left out of the trial's
+        // blocks. Unreadable segments leave the room for a stranded block out, not the trial.
+        let _ = allocator::empty_cache();
+        let mut trainer = Trainer::new(request, Device::Cuda(device)).map_err(failed)?;
+        let held = allocator::segments(device).ok();
+        let run = trial(&mut trainer, device, batch, STEPS_PER_TRIAL, true).map_err(failed)?;
+        let ran = matches!(run.outcome, Outcome::Ran { .. });
+        let largest_block = match (ran, held) {
+            (true, Some(held)) => allocator::segments(device)
+                .ok()
+                .and_then(|after| stranded::largest_new_segment(&after, &held)),
+            _ => None,
+        };
+        drop(trainer);
+        self.durations.push((batch, run.ms));
+        if ran {
+            self.reserved.push((batch, run.reserved_peak));
+            self.blocks
+                .extend(largest_block.map(|block| (batch, block)));
+        }
+        let event = serde_json::json!({"event": "trial", "batch": batch, "outcome": run.outcome,
+                                       "fits": matches!(run.outcome, Outcome::Ran{peak, ..} if peak <= limit),
+                                       "reserved_peak": run.reserved_peak,
+                                       "active_peak": run.active_peak,
+                                       "inactive_split_peak": run.inactive_split_peak,
+                                       "largest_block": largest_block,
+                                       "ms": run.ms, "limit": limit});
+        if progress(&event.to_string()) {
+            return Err(Stop::Cancelled);
+        }
+        Ok(run.outcome)
+    }
+}
+
 /// The search on `request.device`, reporting each trial through `progress` (which returns
 /// true to stop).
 pub fn run(
@@ -855,34 +895,8 @@ pub fn run(
         tolerance: request.tolerance,
         ..SearchConfig::default()
     };
-    let mut durations: Vec<(u64, f64)> = Vec::new();
-    let mut reserved: Vec<(u64, u64)> = Vec::new();
-    let mut blocks: Vec<(u64, u64)> = Vec::new();
-    let probe = |batch: u64| -> Result<Outcome, Stop> {
-        let start = serde_json::json!({"event": "trial_start", "batch": batch});
-        if progress(&start.to_string()) {
-            return Err(Stop::Cancelled);
-        }
-        let mut trainer = Trainer::new(request, Device::Cuda(device)).map_err(failed)?;
-        let run = trial(&mut trainer, device, batch, STEPS_PER_TRIAL, true).map_err(failed)?;
-        drop(trainer);
-        durations.push((batch, run.ms));
-        if matches!(run.outcome, Outcome::Ran { .. }) {
-            reserved.push((batch, run.reserved_peak));
-            blocks.extend(run.largest_block.map(|block| (batch, block)));
-        }
-        let event = serde_json::json!({"event": "trial", "batch": batch, "outcome": run.outcome,
-                                       "fits": matches!(run.outcome, Outcome::Ran{peak, ..} if peak <= limit),
-                                       "reserved_peak": run.reserved_peak,
-                                       "active_peak": run.active_peak,
-                                       "inactive_split_peak": run.inactive_split_peak,
-                                       "largest_block": run.largest_block,
-                                       "ms": run.ms, "limit": limit});
-        if progress(&event.to_string()) {
-            return Err(Stop::Cancelled);
-        }
-        Ok(run.outcome)
-    };
+    let mut trials = SearchTrials::default();
+    let probe = |batch: u64| trials.probe(request, batch, limit, progress);
     let result = if request.baseline_search {
         search::lightning(&config, probe)
     } else {
@@ -901,9 +915,9 @@ pub fn run(
         baseline_allocated: baseline.allocated_bytes.current.max(0) as u64,
         after_allocated: after.allocated_bytes.current.max(0) as u64,
         after_reserved: after.reserved_bytes.current.max(0) as u64,
-        trial_ms: durations,
-        trial_reserved: reserved,
-        trial_blocks: blocks,
+        trial_ms: trials.durations,
+        trial_reserved: trials.reserved,
+        trial_blocks: trials.blocks,
         elapsed_ms: started.elapsed().as_secs_f64() * 1000.0,
         device_total: baseline.total,
     })

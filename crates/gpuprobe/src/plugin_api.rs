@@ -223,7 +223,7 @@ pub struct MaxBatchReport {
     #[serde(default)]
     pub trial_reserved: Vec<(u64, u64)>,
     /// (batch, the largest segment it made the cache reserve) of each trial that ran, where
-    /// the segments could be read and are not expandable: what `stranded::room` needs.
+    /// the segments could be read and are not expandable: for `stranded::room_of_trials`.
     #[serde(default)]
     pub trial_blocks: Vec<(u64, u64)>,
     pub elapsed_ms: f64,

@@ -11,7 +11,7 @@
 //! ran 30 steps. So a batch is only safe where its allocated peak leaves room for one more
 //! of its largest block: [`room`] finds the largest such batch from the search's trials.
 //! Under `expandable_segments` the cache maps pages instead of carving segments, and no room
-//! is needed (the caller passes no block sizes then).
+//! is needed ([`largest_new_segment`] measures no block then).
 
 use serde::Serialize;
 
@@ -24,18 +24,24 @@ pub struct Segment {
     pub expandable: bool,
 }
 
-/// The largest of `segments` whose address is not in `held` (the segments there before a
-/// trial): the trial's largest single allocation as the cache rounds it, since each
-/// segment is made for one request. `None` under expandable segments, which strand no
-/// block; 0 where the trial made the cache reserve nothing new.
-pub fn largest_new_segment(segments: &[Segment], held: &[u64]) -> Option<u64> {
+/// The largest of `segments` not among `held` (the segments there before a trial): the
+/// trial's largest single allocation as the cache rounds it, since each segment is made for
+/// one request. A segment is known by its address and size together: one the cache gave
+/// back and made again at the same address for another request is new. `None` under
+/// expandable segments, which strand no block; 0 where the trial made the cache reserve
+/// nothing new.
+pub fn largest_new_segment(segments: &[Segment], held: &[Segment]) -> Option<u64> {
     if segments.iter().any(|s| s.expandable) {
         return None;
     }
+    let was_held = |s: &Segment| {
+        held.iter()
+            .any(|h| h.address == s.address && h.bytes == s.bytes)
+    };
     Some(
         segments
             .iter()
-            .filter(|s| !held.contains(&s.address))
+            .filter(|s| !was_held(s))
             .map(|s| s.bytes)
             .max()
             .unwrap_or(0),
@@ -90,7 +96,8 @@ impl Room {
 }
 
 /// The recommendation for `max` with `margin` (a fraction), held at the room's bound where
-/// the room holds it ([`Room::holds`]): what the python engine confirms and reports.
+/// the room holds it ([`Room::holds`]): what both engines report (and the python engine
+/// confirms).
 pub fn recommend(max: u64, margin: f64, room: Option<Room>) -> u64 {
     let margin_batch = crate::search::recommend(max, margin);
     crate::search::recommend_within(max, margin, room.and_then(|r| r.holds(margin_batch)))
@@ -235,10 +242,19 @@ mod tests {
             expandable: false,
         };
         // The weights' 4 GB segment was there before; the trial added 2 GB and 14 GB ones.
-        let after = [segment(1, 4 * GB), segment(2, 2 * GB), segment(3, 14 * GB)];
-        assert_eq!(largest_new_segment(&after, &[1]), Some(14 * GB));
-        assert_eq!(largest_new_segment(&after, &[1, 3]), Some(2 * GB));
-        assert_eq!(largest_new_segment(&after, &[1, 2, 3]), Some(0));
+        let weights = segment(1, 4 * GB);
+        let after = [weights, segment(2, 2 * GB), segment(3, 14 * GB)];
+        assert_eq!(largest_new_segment(&after, &[weights]), Some(14 * GB));
+        assert_eq!(
+            largest_new_segment(&after, &[weights, segment(3, 14 * GB)]),
+            Some(2 * GB)
+        );
+        assert_eq!(largest_new_segment(&after, &after), Some(0));
+        // A 1 GB segment the cache gave back, and a 14 GB one made at its address: new.
+        assert_eq!(
+            largest_new_segment(&after, &[weights, segment(3, GB)]),
+            Some(14 * GB)
+        );
         // Under expandable segments no block is stranded, so none is reported.
         let mapped = [Segment {
             expandable: true,

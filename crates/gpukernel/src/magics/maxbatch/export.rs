@@ -33,6 +33,9 @@ pub(super) struct ExportedModule {
     /// What the notebook's allocator may hold on that GPU (its memory fraction applied).
     #[serde(default)]
     pub allocator_limit: Option<u64>,
+    /// Whether the notebook's allocator maps expandable segments (which strand no block).
+    #[serde(default)]
+    pub expandable_segments: Option<bool>,
 }
 
 /// Why a module could not be exported.

@@ -92,7 +92,30 @@ def _held(torch, module):
             seen.add(t.data_ptr())
             own += t.numel() * t.element_size()
     return {"held_on_device": torch.cuda.memory_allocated(device), "own_bytes": own,
-            "allocator_limit": _allocator_limit(torch, device)}
+            "allocator_limit": _allocator_limit(torch, device),
+            "expandable_segments": _expandable_segments(torch, device)}
+
+
+def _expandable_segments(torch, device, environ=None):
+    """Whether this process's caching allocator maps expandable segments, which strand no
+    block: then the libtorch engine, whose own allocator may be set otherwise (a notebook
+    that set PYTORCH_CUDA_ALLOC_CONF with %env before importing torch), leaves no room for
+    one. Read from the segments the cache holds, else from the settings it started with."""
+    try:
+        segments = [s for s in torch.cuda.memory_snapshot() if s.get("device") == device.index]
+    except (AttributeError, KeyError, TypeError, RuntimeError):
+        segments = []
+    if segments:
+        return any(s.get("is_expandable") for s in segments)
+    import os
+
+    environ = os.environ if environ is None else environ
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for setting in environ.get(name, "").split(","):
+            key, _, value = setting.partition(":")
+            if key.strip() == "expandable_segments":
+                return value.strip() == "True"
+    return False
 
 
 def _allocator_limit(torch, device):

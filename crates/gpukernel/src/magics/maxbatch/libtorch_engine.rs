@@ -385,15 +385,22 @@ fn findings(
         margin_percent: args.margin,
         throughput: None,
         confirmation: None,
-        room: room_for_a_stranded_block(report),
+        room: room_for_a_stranded_block(report, exported.map(|e| &e.module)),
         timings: None,
     }
 }
 
 /// The room the recommendation leaves for one more of the step's largest blocks, as the
 /// python engine leaves it: the user's loop strands blocks under the default allocator just
-/// the same, whichever engine sized it.
-fn room_for_a_stranded_block(report: &MaxBatchReport) -> Option<Room> {
+/// the same, whichever engine sized it. None for a notebook module whose kernel's allocator
+/// maps expandable segments, though gpukernel's own does not (set with %env in the notebook).
+fn room_for_a_stranded_block(
+    report: &MaxBatchReport,
+    notebook: Option<&ExportedModule>,
+) -> Option<Room> {
+    if notebook.and_then(|m| m.expandable_segments) == Some(true) {
+        return None;
+    }
     let block = |batch| {
         report
             .trial_blocks
@@ -574,7 +581,7 @@ mod tests {
     fn this_engine_leaves_the_same_room_for_a_stranded_block() {
         let mb = 1_000_000u64;
         let measured = report(vec![(4, 262 * mb), (64, 4190 * mb), (232, 15_200 * mb)]);
-        let room = room_for_a_stranded_block(&measured).expect("a room");
+        let room = room_for_a_stranded_block(&measured, None).expect("a room");
         assert!((208..216).contains(&room.largest_batch), "{room:?}");
         let args = super::super::tests::args(&["gpt", "--engine", "libtorch"]);
         let request = request_for(&args, ModelSource::Builtin { name: "x".into() }, None);
@@ -582,7 +589,13 @@ mod tests {
         assert_eq!(found.recommended(), Some(208));
         // A trial without a block (expandable segments, or segments unread): the margin alone.
         let partial = report(vec![(4, 262 * mb), (232, 15_200 * mb)]);
-        assert_eq!(room_for_a_stranded_block(&partial), None);
+        assert_eq!(room_for_a_stranded_block(&partial, None), None);
+        // A notebook whose allocator maps expandable segments strands nothing, whatever
+        // gpukernel's own allocator measured: the margin alone.
+        let mut notebook = module(Some(1 << 30), Some(1 << 30));
+        assert!(room_for_a_stranded_block(&measured, Some(&notebook)).is_some());
+        notebook.expandable_segments = Some(true);
+        assert_eq!(room_for_a_stranded_block(&measured, Some(&notebook)), None);
         let found = findings(&args, "gpt", &request, &partial, None);
         assert_eq!(found.recommended(), Some(216));
     }

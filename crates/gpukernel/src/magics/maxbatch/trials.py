@@ -1934,13 +1934,15 @@ _STEP_ALL_OPTIMIZERS = ("If your loop steps more than one, write a function FN(b
 
 def _largest_new_segment(segments, held):
     """The largest of the cache's `segments` [(address, bytes, expandable)] not among `held`
-    (addresses there before the trial): the trial's largest single allocation, as the cache
+    ((address, bytes) there before the trial; a segment given back and made again at the same
+    address for another request is new): the trial's largest single allocation, as the cache
     rounds it (each segment is made for one request), which the cache can strand as it
-    fragments (gpuprobe's `stranded`). None under expandable segments, which map pages
-    instead and strand none."""
+    fragments (gpuprobe's `stranded::largest_new_segment`, the same rule). None under
+    expandable segments, which map pages instead and strand none."""
     if any(expandable for _, _, expandable in segments):
         return None
-    return max((size for address, size, _ in segments if address not in held), default=0)
+    return max((size for address, size, _ in segments if (address, size) not in held),
+               default=0)
 
 
 class DataRanOut(RuntimeError):
@@ -2341,7 +2343,8 @@ class Session:
         _remove_hooks()  # any that an interrupt left behind
         # The cache holds only what the user holds now: what the trial adds is its own.
         held_segments = self._segments()
-        held_segments = None if held_segments is None else {a for a, _, _ in held_segments}
+        held_segments = (None if held_segments is None
+                         else {(a, size) for a, size, _ in held_segments})
         self.trial_peaks = peaks = self._phase_peaks()
         retry = False
         before_ooms = self._num_ooms()
