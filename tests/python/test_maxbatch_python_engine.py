@@ -3023,6 +3023,19 @@ def test_the_largest_block_is_the_largest_segment_the_trial_made(trials):
     assert trials._largest_new_segment([(0x1000, 20 << 30, False)], held) == 20 << 30
 
 
+def test_the_largest_new_segment_answers_the_cases_gpuprobe_answers(trials):
+    """trials.py's rule and gpuprobe's stranded::largest_new_segment (the libtorch engine's)
+    read the same cases, so the two engines measure a stranded block alike."""
+    path = (Path(__file__).resolve().parents[2] / "crates" / "gpuprobe" / "tests" / "data"
+            / "largest_new_segment.json")
+    cases = json.loads(path.read_text())["cases"]
+    assert len(cases) >= 5
+    for case in cases:
+        segments = [(a, size, expandable) for a, size, expandable in case["segments"]]
+        held = {(a, size) for a, size in case["held"]}
+        assert trials._largest_new_segment(segments, held) == case["expected"], case["name"]
+
+
 def test_a_trial_reads_the_segments_of_its_own_gpu_from_the_allocators_snapshot(
         trials, monkeypatch):
     """The segments come from torch.cuda.memory_snapshot(), every GPU's: the session's card

@@ -264,6 +264,46 @@ mod tests {
     }
 
     #[test]
+    fn the_python_engine_answers_the_shared_cases_alike() {
+        // tests/python/test_maxbatch_python_engine.py reads the same file for trials.py's
+        // _largest_new_segment.
+        let cases: serde_json::Value =
+            serde_json::from_str(include_str!("../tests/data/largest_new_segment.json"))
+                .expect("the shared cases parse");
+        let cases = cases["cases"].as_array().expect("a list of cases");
+        assert!(cases.len() >= 5);
+        for case in cases {
+            let number = |v: &serde_json::Value| v.as_u64().expect("a byte count");
+            let segments: Vec<Segment> = case["segments"]
+                .as_array()
+                .expect("segments")
+                .iter()
+                .map(|s| Segment {
+                    address: number(&s[0]),
+                    bytes: number(&s[1]),
+                    expandable: s[2].as_bool().expect("expandable"),
+                })
+                .collect();
+            let held: Vec<Segment> = case["held"]
+                .as_array()
+                .expect("held")
+                .iter()
+                .map(|h| Segment {
+                    address: number(&h[0]),
+                    bytes: number(&h[1]),
+                    expandable: false,
+                })
+                .collect();
+            assert_eq!(
+                largest_new_segment(&segments, &held),
+                case["expected"].as_u64(),
+                "{}",
+                case["name"]
+            );
+        }
+    }
+
+    #[test]
     fn no_trial_no_room_and_one_trial_steps_down_least() {
         assert_eq!(room(&[], 1), None);
         let one = room(&[fitted(100, 50.0, 10.0)], 55 * GB).expect("one trial");
