@@ -349,6 +349,9 @@ fn findings(
     if let Some(e) = exported {
         notes.extend(input_notes(name, &e.module));
     }
+    if let Some(note) = exported.and_then(|e| unmeasured_block_note(&e.module, report)) {
+        notes.push(note);
+    }
     if exported.is_some() {
         notes.push(
             "the libtorch engine trains a TorchScript copy with its own loss and a new \
@@ -413,6 +416,26 @@ fn room_for_a_stranded_block(
         _ => None,
     });
     stranded::room_of_trials(fitted, report.limit)
+}
+
+/// Why this engine's recommendation leaves no room for a stranded block where the notebook's
+/// allocator can strand one: its trials measured no block (gpukernel's own allocator maps
+/// expandable segments, or its segments could not be read).
+fn unmeasured_block_note(module: &ExportedModule, report: &MaxBatchReport) -> Option<String> {
+    if module.expandable_segments != Some(false) || report.search.max_fit.is_none() {
+        return None;
+    }
+    if room_for_a_stranded_block(report, Some(module)).is_some() {
+        return None;
+    }
+    Some(
+        "your kernel's allocator does not use expandable segments, so its cache can strand \
+         one of your step's largest allocations as it fragments, but this engine's trials \
+         could not measure that allocation (gpukernel's own allocator maps expandable \
+         segments, or its segments were unreadable): the recommendation leaves no room for \
+         it; the python engine (without --engine libtorch) does"
+            .into(),
+    )
 }
 
 /// What the libtorch trials assumed: the step, loss, precision, optimizer and input.
@@ -596,6 +619,28 @@ mod tests {
         assert!(room_for_a_stranded_block(&measured, Some(&notebook)).is_some());
         notebook.expandable_segments = Some(true);
         assert_eq!(room_for_a_stranded_block(&measured, Some(&notebook)), None);
+        // Nothing to tell where the room was measured or the notebook strands nothing.
+        assert_eq!(unmeasured_block_note(&notebook, &measured), None);
+        notebook.expandable_segments = Some(false);
+        assert_eq!(unmeasured_block_note(&notebook, &measured), None);
+        // The notebook's cache can strand a block this engine's trials did not measure.
+        let note = unmeasured_block_note(&notebook, &report(vec![])).expect("a note");
+        assert!(note.contains("could not measure that allocation"), "{note}");
+        let args = super::super::tests::args(&["gpt", "--engine", "libtorch"]);
+        let request = request_for(&args, ModelSource::Builtin { name: "x".into() }, None);
+        // Its drop removes the file: one that cannot exist.
+        let exported = Exported {
+            module: ExportedModule {
+                path: "/nonexistent/gpukernel-test.pt".into(),
+                ..notebook
+            },
+        };
+        let found = findings(&args, "gpt", &request, &report(vec![]), Some(&exported));
+        assert!(
+            found.notes.iter().any(|n| n.contains("could not measure")),
+            "{:?}",
+            found.notes
+        );
         let found = findings(&args, "gpt", &request, &partial, None);
         assert_eq!(found.recommended(), Some(216));
     }
