@@ -264,41 +264,45 @@ mod tests {
     }
 
     #[test]
-    fn the_python_engine_answers_the_shared_cases_alike() {
+    fn the_cases_shared_with_the_python_engine_are_answered_alike() {
         // tests/python/test_maxbatch_python_engine.py reads the same file for trials.py's
         // _largest_new_segment.
-        let cases: serde_json::Value =
+        #[derive(serde::Deserialize)]
+        struct Case {
+            name: String,
+            segments: Vec<(u64, u64, bool)>,
+            held: Vec<(u64, u64)>,
+            expected: Option<u64>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Cases {
+            cases: Vec<Case>,
+        }
+        let Cases { cases } =
             serde_json::from_str(include_str!("../tests/data/largest_new_segment.json"))
                 .expect("the shared cases parse");
-        let cases = cases["cases"].as_array().expect("a list of cases");
         assert!(cases.len() >= 5);
+        let segment = |address, bytes, expandable| Segment {
+            address,
+            bytes,
+            expandable,
+        };
         for case in cases {
-            let number = |v: &serde_json::Value| v.as_u64().expect("a byte count");
-            let segments: Vec<Segment> = case["segments"]
-                .as_array()
-                .expect("segments")
+            let segments: Vec<Segment> = case
+                .segments
                 .iter()
-                .map(|s| Segment {
-                    address: number(&s[0]),
-                    bytes: number(&s[1]),
-                    expandable: s[2].as_bool().expect("expandable"),
-                })
+                .map(|&(a, b, e)| segment(a, b, e))
                 .collect();
-            let held: Vec<Segment> = case["held"]
-                .as_array()
-                .expect("held")
+            let held: Vec<Segment> = case
+                .held
                 .iter()
-                .map(|h| Segment {
-                    address: number(&h[0]),
-                    bytes: number(&h[1]),
-                    expandable: false,
-                })
+                .map(|&(a, b)| segment(a, b, false))
                 .collect();
             assert_eq!(
                 largest_new_segment(&segments, &held),
-                case["expected"].as_u64(),
+                case.expected,
                 "{}",
-                case["name"]
+                case.name
             );
         }
     }

@@ -282,53 +282,58 @@ impl Findings {
         ))
     }
 
-    /// The room, where it held the recommendation below the margin's batch.
-    fn room_holding(&self) -> Option<Room> {
-        self.recommended()?;
-        let margin = self.margin_batch()?;
-        self.room.filter(|r| r.holds(margin).is_some())
-    }
-
-    /// The room, where the margin's batch is within its bound (neither held nor out of
-    /// reach) but the maximum lies beyond it by more than the search's tolerance: batches
-    /// between the two ran in the trials and can still fail in the loop. A sample or two is
-    /// the trials' own precision, and where the recommendation itself failed its line says
-    /// what fragmentation did.
-    fn room_short_of_max(&self) -> Option<Room> {
+    /// What the report says of the room for a stranded block, if anything. A bound below half
+    /// the margin's batch is out of reach (a note only); else one below the margin's batch
+    /// holds the recommendation (its own line); else one the maximum lies beyond by more
+    /// than the search's tolerance gets a note on the batches between, unless the
+    /// recommendation itself failed, whose line says what fragmentation did.
+    fn room_says(&self) -> Option<(RoomSays, Room)> {
+        let room = self.room?;
         let max = self.search.max_fit?;
         let margin = self.margin_batch()?;
+        if room.out_of_reach(margin) {
+            return Some((RoomSays::OutOfReach, room));
+        }
         self.recommended()?;
-        if self
+        if room.holds(margin).is_some() {
+            return Some((RoomSays::HoldsTheRecommendation, room));
+        }
+        let failed = self
             .confirmation
             .as_ref()
-            .is_some_and(|c| !c.failed.is_empty())
-        {
-            return None;
-        }
+            .is_some_and(|c| !c.failed.is_empty());
         let precision = ((max as f64 * super::TOLERANCE).ceil() as u64).max(1);
-        self.room
-            .filter(|r| r.largest_batch >= margin && max - r.largest_batch > precision)
+        (!failed && max.saturating_sub(room.largest_batch) > precision)
+            .then_some((RoomSays::ShortOfMax, room))
     }
 
-    /// The room, where no batch near the margin's leaves it.
-    fn room_out_of_reach(&self) -> Option<Room> {
-        let margin = self.margin_batch()?;
-        self.room.filter(|r| r.out_of_reach(margin))
+    /// Whether the room held the recommendation below the margin's batch.
+    fn room_held(&self) -> bool {
+        matches!(
+            self.room_says(),
+            Some((RoomSays::HoldsTheRecommendation, _))
+        )
     }
+}
+
+/// What the report says of the room for a stranded block (`Findings::room_says`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RoomSays {
+    HoldsTheRecommendation,
+    ShortOfMax,
+    OutOfReach,
 }
 
 /// The result: maximum, recommendation, assumptions, and the chart.
 pub(super) fn summary(f: &Findings) -> Bundle {
     let search = &f.search;
     let mut text = headline(f);
-    if let Some(room) = f.room_holding() {
-        text.push_str(&room_line(&room));
-    }
-    if let Some(room) = f.room_out_of_reach() {
-        text.push_str(&room_out_of_reach_line(&room));
-    }
-    if let Some(room) = f.room_short_of_max() {
-        text.push_str(&room_short_of_max_line(&room));
+    if let Some((says, room)) = f.room_says() {
+        text.push_str(&match says {
+            RoomSays::HoldsTheRecommendation => room_line(&room),
+            RoomSays::ShortOfMax => room_short_of_max_line(&room),
+            RoomSays::OutOfReach => room_out_of_reach_line(&room),
+        });
     }
     if let Some(c) = &f.confirmation {
         text.push_str(&confirmation_line(c, search.max_fit));
@@ -398,7 +403,7 @@ fn headline(f: &Findings) -> String {
             "%maxbatch {}: largest batch that fits: {max}{accuracy}; recommended: {rec} ({}% margin{}{})\n",
             f.model,
             f.margin_percent,
-            if f.room_holding().is_some() { " and room for a stranded block" } else { "" },
+            if f.room_held() { " and room for a stranded block" } else { "" },
             if rec % 8 == 0 && rec >= 16 { ", multiple of 8" } else { "" },
         ),
         (Some(max), None) => format!(
@@ -514,7 +519,7 @@ fn summary_json(f: &Findings) -> serde_json::Value {
         "model": f.model, "max_batch": search.max_fit, "exact": search.exact,
         "settled": search.settled, "recommended": recommended,
         "margin_percent": f.margin_percent, "margin_batch": f.margin_batch(),
-        "room_held": f.room_holding().is_some(), "limit_bytes": f.limit,
+        "room_held": f.room_held(), "limit_bytes": f.limit,
         "device_total_bytes": f.device_total,
         "card_bytes": f.card.map(|c| c.bytes), "context_bytes": f.card.and_then(|c| c.context),
         "fit": {"fixed_bytes": search.fit.map(|x| x.0), "bytes_per_sample": search.fit.map(|x| x.1)},
@@ -749,11 +754,7 @@ mod tests {
         let room = f.room.unwrap();
         // Room to spare at the margin's batch: the margin alone, and a note that the batches
         // above the bound, which ran here, can still fail in the loop.
-        f.room = Some(Room {
-            largest_batch: 1650,
-            ..room
-        });
-        let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
+        let text = with_bound(&mut f, room, 1650);
         assert!(
             text.contains("recommended: 1616 (5% margin, multiple of 8)"),
             "{text}"
@@ -764,42 +765,26 @@ mod tests {
         );
         assert!(!text.contains("leaves room for one more"), "{text}");
         // The margin's batch at the bound itself: the margin alone, and the note.
-        f.room = Some(Room {
-            largest_batch: 1616,
-            ..room
-        });
-        let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
+        let text = with_bound(&mut f, room, 1616);
         assert!(
             text.contains("recommended: 1616 (5% margin, multiple of 8)"),
             "{text}"
         );
         assert!(text.contains("note: above 1616 your loop"), "{text}");
         // One below it: the room holds the recommendation, and its own line says why.
-        f.room = Some(Room {
-            largest_batch: 1615,
-            ..room
-        });
-        let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
+        let text = with_bound(&mut f, room, 1615);
         assert!(text.contains("leaves room for one more"), "{text}");
         assert!(!text.contains("note: above"), "{text}");
         // Within the search's own precision of the maximum (1.5%: 26 samples at 1705), or at
         // it: nothing to say (nanoGPT in -07j: bound 55, maximum 56, its loop's maximum 56).
         for bound in [1680, 1705] {
-            f.room = Some(Room {
-                largest_batch: bound,
-                ..room
-            });
-            let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
+            let text = with_bound(&mut f, room, bound);
             assert!(!text.contains("note: above"), "{text}");
             assert!(!text.contains("expandable_segments"), "{text}");
         }
         // A recommendation that itself failed has its own line on fragmentation: no note.
-        f.room = Some(Room {
-            largest_batch: 1650,
-            ..room
-        });
         f.confirmation = Some(confirmation(Some(1608), vec![1616], 2700.0, false));
-        let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
+        let text = with_bound(&mut f, room, 1650);
         assert!(!text.contains("note: above"), "{text}");
         f.confirmation = None;
         // No batch near the margin's leaves room (a block of fixed size): the margin's batch,
@@ -824,6 +809,15 @@ mod tests {
         let text = summary(&f)["text/plain"].as_str().unwrap().to_string();
         assert!(text.contains("no recommendation"), "{text}");
         assert!(!text.contains("leaves room"), "{text}");
+    }
+
+    /// The report's text with `room` bounded at `largest_batch`.
+    fn with_bound(f: &mut Findings, room: Room, largest_batch: u64) -> String {
+        f.room = Some(Room {
+            largest_batch,
+            ..room
+        });
+        summary(f)["text/plain"].as_str().unwrap().to_string()
     }
 
     /// A confirmation of 3 steps.
