@@ -10,7 +10,11 @@
 //! fails within its first step, while one that fits runs all of them. A bracket
 //! `[largest that fits, smallest that does not]` keeps shrinking; every trial is one whose
 //! outcome can settle the answer to the tolerance, and after three failures in a row the band
-//! is given up for bisection in ratio. The search is pure: a `probe` closure runs the real
+//! is given up for bisection in ratio. Once a trial near the limit has fitted with the cache
+//! still short of it, the cache's own line (its reserved peaks) says where the limit falls:
+//! where that is at or above the trial that settles the answer by fitting, that trial comes
+//! next (replayed on 249 measured curves, 0.387 of the baseline's cost became 0.355:
+//! `tests/search_replay.rs`). The search is pure: a `probe` closure runs the real
 //! step, so tests drive it with deterministic memory functions.
 
 use serde::{Deserialize, Serialize};
@@ -27,6 +31,10 @@ const BIAS: [f64; 3] = [0.7, 0.4, 0.0];
 /// Bracketed and the last trial fitted: where between the lowest trial that can settle the
 /// answer (by failing) and the highest (by fitting) to try next.
 const CLOSING_BIAS: f64 = 0.5;
+/// Where in the limit the largest trial that fitted left the cache for its reserved peak to
+/// place the maximum: near enough that the line is short, and below where the allocator
+/// frees its cache and retries, so that the reserved peak stops growing with the batch.
+const RESERVED_TRUSTED: (f64, f64) = (0.9, 0.985);
 
 /// What one trial step did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -414,6 +422,30 @@ impl<'a> State<'a> {
             .reduce(f64::max)
     }
 
+    /// Where the cache's own line reaches the limit: through the reserved peaks of the largest
+    /// trial that fitted and of one at most half its batch; only where that trial left the
+    /// cache within [`RESERVED_TRUSTED`] of the limit.
+    fn reserved_reach(&self) -> Option<u64> {
+        let reserved = |t: &Trial| match t.outcome {
+            Outcome::Ran { reserved, .. } if t.fits && reserved > 0 => Some((t.batch, reserved)),
+            _ => None,
+        };
+        let fitted: Vec<(u64, u64)> = self.trials.iter().filter_map(reserved).collect();
+        let &(x1, y1) = fitted.iter().max_by_key(|p| p.0)?;
+        let share = y1 as f64 / self.config.limit as f64;
+        if !(RESERVED_TRUSTED.0..=RESERVED_TRUSTED.1).contains(&share) {
+            return None;
+        }
+        let &(x0, y0) = fitted
+            .iter()
+            .filter(|p| p.0 * 2 <= x1)
+            .max_by_key(|p| p.0)?;
+        let slope = (y1 as f64 - y0 as f64) / (x1 - x0) as f64;
+        (slope > 0.0)
+            .then(|| x1 as f64 + (self.config.limit - y1) as f64 / slope)
+            .and_then(at_least_one)
+    }
+
     fn next_batch(&self) -> u64 {
         let max = self.config.max_batch;
         let Some(lo) = self.lo else {
@@ -433,6 +465,15 @@ impl<'a> State<'a> {
         let missed = failures == BIAS.len()
             || matches!((self.hi, self.band(false)), (Some(hi), Some((low, _))) if low >= hi);
         let wanted = match (self.hi, self.band(missed)) {
+            // The cache's line puts the maximum at or above the trial that settles the
+            // answer by fitting, and below the failure: that trial.
+            (Some(hi), _)
+                if self.reserved_reach().is_some_and(|reach| {
+                    reach < hi && reach + self.slack(reach) >= self.closing_below(hi)
+                }) =>
+            {
+                self.closing_below(hi)
+            }
             // The lowered band had its one trial.
             (Some(hi), _) if failures > BIAS.len() => geometric(hi),
             (Some(hi), Some((low, _))) if missed => {
@@ -947,6 +988,54 @@ mod tests {
         let found = result.max_fit.unwrap();
         assert!(found <= truth && (truth - found) as f64 <= 0.01 * truth as f64);
         assert!(result.settled && result.trials.len() <= 10, "{result:?}");
+    }
+
+    /// ViT-B/16 fp32 as measured on an H100 under a 76 GiB cap (maxbatch-truth-2026-12-07e):
+    /// allocated and reserved peaks at 4, 64 and 598 samples; the true maximum is 621.
+    fn vit_at_76_gib(b: u64, reserved_at_598: u64) -> Result<Outcome, Stop> {
+        let line = |(x0, y0): (u64, u64), (x1, y1): (u64, u64)| {
+            y0 as f64 + (y1 as f64 - y0 as f64) * (b as f64 - x0 as f64) / (x1 - x0) as f64
+        };
+        let allocated = line((64, 9_349_219_840), (598, 77_406_175_744));
+        let reserved = line((64, 9_563_013_120), (598, reserved_at_598));
+        Ok(if b > 621 {
+            Outcome::OutOfMemory
+        } else {
+            Outcome::Ran {
+                peak: allocated as u64,
+                reserved: reserved as u64,
+                phases: None,
+            }
+        })
+    }
+
+    #[test]
+    fn the_caches_line_sends_the_search_to_the_trial_that_settles_it() {
+        let config = SearchConfig {
+            limit: 76 * GIB,
+            max_batch: 1 << 16,
+            tolerance: 0.015,
+            held: 1_629_916_160,
+            ..SearchConfig::default()
+        };
+        let tried = |reserved_at_598| {
+            let result = search(&config, |b| vit_at_76_gib(b, reserved_at_598));
+            let batches: Vec<(u64, bool)> =
+                result.trials.iter().map(|t| (t.batch, t.fits)).collect();
+            (batches, result.max_fit, result.settled)
+        };
+        // 603 fits with the cache at 0.97 of the limit, whose line reaches it near 620, and
+        // 630 fails: 620 settles the answer if it fits, so it comes next, and it ends the
+        // search.
+        let (batches, found, settled) = tried(78_869_692_416);
+        assert_eq!(batches[2..], [(603, true), (630, false), (620, true)]);
+        assert_eq!((found, settled), (Some(620), true));
+        // The cache at the limit already at 598 says nothing (the allocator frees and retries
+        // there): the bracket's middle comes first, a trial more.
+        let (batches, found, settled) = tried(76 * GIB);
+        assert_eq!(batches[2..4], [(603, true), (630, false)]);
+        assert!(batches[4].0 < 620 && batches.len() == 6, "{batches:?}");
+        assert_eq!((found, settled), (Some(620), true));
     }
 
     #[test]

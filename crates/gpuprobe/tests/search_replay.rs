@@ -37,8 +37,9 @@
 //! 0.331 and 0.445; with the early end at 0.9 of the limit, all curves gave 0.376 and 0.489.)
 
 use gpuprobe::search::{
-    double_then_bisect, recommend, search, Outcome, SearchConfig, SearchResult, Stop,
+    double_then_bisect, recommend, search, Outcome, PhasePeaks, SearchConfig, SearchResult, Stop,
 };
+use serde::de::IgnoredAny;
 use serde::Deserialize;
 use std::path::PathBuf;
 
@@ -58,6 +59,39 @@ struct Row {
     /// (batch, fits, peak allocated, peak reserved)
     #[serde(default)]
     curve: Vec<(u64, bool, u64, u64)>,
+    /// The search's own trials as the notebook ran them; from 2026-12-06n on with the peak
+    /// apart outside and inside the optimizer's step.
+    #[serde(default)]
+    trial_list: Vec<RecordedTrial>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RecordedTrial {
+    /// (batch, result, peak allocated, peak reserved, phase peaks)
+    Split(u64, IgnoredAny, IgnoredAny, IgnoredAny, Option<PhasePeaks>),
+    /// Without phase peaks (runs before 2026-12-06n).
+    Whole(IgnoredAny),
+}
+
+impl Row {
+    /// The phase peaks the search's own trials measured, as (batch, outside, inside the
+    /// optimizer's step) ascending; empty for a run that did not split them.
+    fn phase_points(&self) -> Vec<(u64, u64, u64)> {
+        let mut points: Vec<(u64, u64, u64)> = self
+            .trial_list
+            .iter()
+            .filter_map(|t| match t {
+                RecordedTrial::Split(batch, _, _, _, Some(p)) => {
+                    Some((*batch, p.outside, p.optimizer))
+                }
+                _ => None,
+            })
+            .collect();
+        points.sort_unstable();
+        points.dedup_by_key(|p| p.0);
+        points
+    }
 }
 
 #[derive(Deserialize)]
@@ -67,7 +101,7 @@ struct Held {
 
 /// The runs replayed, named so that a new run committed under bench/results changes nothing
 /// here until it is added (and the levels below measured again).
-const RUNS: [&str; 42] = [
+const RUNS: [&str; 51] = [
     "maxbatch-survey-2026-12-03-run2.json",
     "maxbatch-survey-2026-12-03.json",
     "maxbatch-truth-2026-12-03-run2a.json",
@@ -110,6 +144,15 @@ const RUNS: [&str; 42] = [
     "maxbatch-truth-2026-12-06r.json",
     "maxbatch-truth-2026-12-06u.json",
     "maxbatch-truth-2026-12-06w.json",
+    "maxbatch-truth-2026-12-07.json",
+    "maxbatch-truth-2026-12-07b.json",
+    "maxbatch-truth-2026-12-07c.json",
+    "maxbatch-truth-2026-12-07d.json",
+    "maxbatch-truth-2026-12-07e.json",
+    "maxbatch-truth-2026-12-07f.json",
+    "maxbatch-truth-2026-12-07g.json",
+    "maxbatch-truth-2026-12-07i.json",
+    "maxbatch-truth-2026-12-07j.json",
 ];
 
 /// Models whose curves cannot be replayed: a curve holds each probe's whole peak, and at their
@@ -246,6 +289,7 @@ fn replay(row: &Row, limit: u64, path: &std::path::Path) -> Replayed {
     // Two points interpolate; a small maximum (nanoGPT's 15) leaves the truth no more.
     assert!(points.len() >= 2, "{}: too few points", row.model);
     let truth = row.true_max;
+    let phase_points = row.phase_points();
     let config = SearchConfig {
         limit,
         max_batch: 1 << 16,
@@ -258,11 +302,28 @@ fn replay(row: &Row, limit: u64, path: &std::path::Path) -> Replayed {
             return Ok(Outcome::OutOfMemory);
         }
         let (peak, reserved) = interpolate(&points, b);
+        let peak = peak.min(limit);
+        // The phases from the trials that measured them; the curve's whole peak is the
+        // phase's that held the peak there.
+        let phases = (phase_points.len() >= 2).then(|| {
+            let (outside, optimizer) = interpolate(&phase_points, b);
+            if outside >= optimizer {
+                PhasePeaks {
+                    outside: peak,
+                    optimizer: optimizer.min(peak),
+                }
+            } else {
+                PhasePeaks {
+                    outside: outside.min(peak),
+                    optimizer: peak,
+                }
+            }
+        });
         // A batch that fits in the loop fits here too, whatever the line says.
         Ok(Outcome::Ran {
-            peak: peak.min(limit),
+            peak,
             reserved: reserved.min(limit),
-            phases: None,
+            phases,
         })
     };
     let result = search(&config, probe);
@@ -325,7 +386,10 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
             .rows
             .iter()
             .filter(|r| r.engine == "python" && r.curve.len() >= 3)
-            .filter(|r| !UPDATE_PEAKS_AT_SMALL_BATCHES.contains(&r.model.as_str()))
+            .filter(|r| {
+                !UPDATE_PEAKS_AT_SMALL_BATCHES.contains(&r.model.as_str())
+                    || !r.phase_points().is_empty()
+            })
         {
             let replayed = replay(row, limit, path);
             eprintln!("{}", replayed.what);
