@@ -1,18 +1,25 @@
 //! The search replayed against memory curves measured in users' own training loops on an H200
 //! and an H100 (`bench/gpu/maxbatch_truth.py`, committed under `bench/results/`: the runs named
-//! in `RUNS`, every one that recorded the truth's curve up to 2026-12-06w but for the models
-//! named below, 207 model runs of 41 models whose maxima moved between runs; the first 112
-//! runs, of 17 models, up to 2026-12-04f). Each curve is the peak allocated and reserved bytes of the
-//! notebook's loop at a set of batch sizes, and its true maximum from an exact bisection of that
-//! loop. A replayed trial interpolates the curve; a batch above the true maximum runs out of
-//! memory. The search targets hold here: every answer within 1.5% below the truth, at
-//! most 10 trials, 6 in the median (7 with the trial that runs the recommendation). Its time
+//! in `RUNS`, every one that recorded the truth's curve up to 2026-12-07j, 249 model runs of
+//! 49 models whose maxima moved between runs; the first 112 runs, of 17 models, up to
+//! 2026-12-04f). Each curve is the peak allocated and reserved bytes of the notebook's loop at
+//! a set of batch sizes, and its true maximum from an exact bisection of that loop. A replayed
+//! trial interpolates the curve; a batch above the true maximum runs out of memory. From
+//! 2026-12-06n on, the runs also recorded the search's own trials with their peaks apart
+//! outside and inside the optimizer's step, which the live search fits a line to each; the
+//! replay interpolates those too (without them it took 11 trials on the LSTM at 76 GiB, whose
+//! live search took 8, and the trials it retraces now). The search targets hold here:
+//! every answer within 1.5% below the truth, at most 10 trials, 6 in the median. Its time
 //! target (a third of Lightning's double-then-bisect to the exact maximum) does not: by the
-//! cost model below the search alone costs 0.391 of the baseline's compute on the same curves,
-//! and 0.494 with the trial %maxbatch adds to run its recommendation (unless the search ran
-//! that batch); 0.377 and 0.481 on the first 112 runs. Both are guarded at their level, not
-//! passed off as the target. (On the 18 survey curves alone they were 0.340 and 0.450; biasing
-//! the closing bisection towards the top, where a failure is cheaper than a fit, moved them by
+//! cost model below the search alone costs 0.355 of the baseline's compute on the same
+//! curves, and 0.460 with the trial %maxbatch adds to run its recommendation (unless the search
+//! ran that batch). Both are guarded at their level, not passed off as the target.
+//!
+//! History of those two figures: 0.391 and 0.494 over the 207 runs through -06w, replayed
+//! without phases; 0.387 and 0.492 over these 249 before the search followed the cache's line
+//! near the limit (2026-12-07: 54 runs took fewer trials, 13 one more; `search.rs`'s
+//! `reserved_reach`). (On the 18 survey curves alone they were 0.340 and 0.450; biasing the
+//! closing bisection towards the top, where a failure is cheaper than a fit, moved them by
 //! under 0.01 either way, 2026-12-04.)
 //!
 //! What the rest of the cost buys (2026-12-05): a search that knew each true maximum would,
@@ -155,12 +162,13 @@ const RUNS: [&str; 51] = [
     "maxbatch-truth-2026-12-07j.json",
 ];
 
-/// Models whose curves cannot be replayed: a curve holds each probe's whole peak, and at their
-/// small batches that is the optimizer's update (AdamW over 112M parameters), not the forward
-/// and backward that grow with the batch. The live search tells the two apart by the trials'
-/// phase peaks (7 trials each in maxbatch-truth-2026-12-06n, where whole peaks took 12 and 13
-/// in -06m); a curve has no phases, so replayed they would take the whole peaks' path. Their
-/// line is replayed, with phases, in search.rs (`an_update_that_peaks_above_small_batches_...`).
+/// Models whose curves cannot be replayed from a run that did not record phase peaks (those
+/// before 2026-12-06n): a curve holds each probe's whole peak, and at their small batches that
+/// is the optimizer's update (AdamW over 112M parameters), not the forward and backward that
+/// grow with the batch. The live search tells the two apart by the trials' phase peaks (7
+/// trials each in maxbatch-truth-2026-12-06n, where whole peaks took 12 and 13 in -06m);
+/// without them a replay would take the whole peaks' path. Their runs from -06n on are
+/// replayed with phases.
 const UPDATE_PEAKS_AT_SMALL_BATCHES: [&str; 5] = [
     "mae_vitb_bf16",
     "mae_vitb_bf16_held",
@@ -423,14 +431,14 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     // The third is not met, by the search alone or with the confirming trial (a trial
     // near the maximum): guards against regressions at the levels measured, not the target
-    // (0.391 and 0.494 over the runs through -06w; the runs' own mix moves them by a few
+    // (0.355 and 0.460 over the runs through -07j; the runs' own mix moves them by a few
     // thousandths as curves are added).
     assert!(
-        search_only <= 0.395,
+        search_only <= 0.36,
         "cost {search_only:.3} of the baseline's"
     );
     assert!(
-        confirmed <= 0.5,
+        confirmed <= 0.465,
         "cost with the confirming trial {confirmed:.3}"
     );
 }
