@@ -77,8 +77,8 @@ struct Row {
 enum RecordedTrial {
     /// (batch, result, peak allocated, peak reserved, phase peaks)
     Split(u64, IgnoredAny, IgnoredAny, IgnoredAny, Option<PhasePeaks>),
-    /// Without phase peaks (runs before 2026-12-06n).
-    Whole(IgnoredAny),
+    /// (batch, result, peak allocated, peak reserved): runs before 2026-12-06n.
+    Whole(IgnoredAny, IgnoredAny, IgnoredAny, IgnoredAny),
 }
 
 impl Row {
@@ -164,6 +164,9 @@ const RUNS: [&str; 54] = [
     "maxbatch-truth-2026-12-07m.json",
     "maxbatch-truth-2026-12-07n.json",
 ];
+
+/// The first run whose search trials recorded their phase peaks.
+const PHASES_FROM: &str = "maxbatch-truth-2026-12-06n.json";
 
 /// Models whose curves cannot be replayed from a run that did not record phase peaks (those
 /// before 2026-12-06n): a curve holds each probe's whole peak, and at their small batches that
@@ -399,9 +402,17 @@ fn measured_curves_are_searched_to_within_tolerance_in_few_trials_at_a_guarded_c
             .filter(|r| r.engine == "python" && r.curve.len() >= 3)
             .filter(|r| {
                 !UPDATE_PEAKS_AT_SMALL_BATCHES.contains(&r.model.as_str())
-                    || !r.phase_points().is_empty()
+                    || r.phase_points().len() >= 2
             })
         {
+            // From -06n on every row recorded its trials' phase peaks: none read means the
+            // entries no longer parse as `RecordedTrial::Split`.
+            let name = path.file_name().map_or("".into(), |n| n.to_string_lossy());
+            assert!(
+                *name < *PHASES_FROM || row.phase_points().len() >= 2,
+                "{}: no phase peaks read from its trials",
+                row.model
+            );
             let replayed = replay(row, limit, path);
             eprintln!("{}", replayed.what);
             wrong.extend(replayed.wrong);
