@@ -291,36 +291,47 @@ struct Replayed {
     costs: (f64, f64, f64, f64),
 }
 
-fn replay(row: &Row, limit: u64, path: &std::path::Path) -> Replayed {
-    let mut points: Vec<(u64, u64, u64)> = row
-        .curve
-        .iter()
-        .filter(|p| p.1)
-        .map(|p| (p.0, p.2, p.3))
-        .collect();
-    points.sort_unstable();
-    points.dedup_by_key(|p| p.0);
-    // Two points interpolate; a small maximum (nanoGPT's 15) leaves the truth no more.
-    assert!(points.len() >= 2, "{}: too few points", row.model);
-    let truth = row.true_max;
-    let phase_points = row.phase_points();
-    let config = SearchConfig {
-        limit,
-        max_batch: 1 << 16,
-        tolerance: TOLERANCE,
-        held: row.held.as_ref().map_or(0, |h| h.allocated),
-        ..SearchConfig::default()
-    };
-    let probe = |b: u64| -> Result<Outcome, Stop> {
-        if b > truth {
+/// A row's measured step as a probe: a batch above the true maximum runs out of memory; one
+/// at or below it peaks where the curve (and, where recorded, the trials' phases) puts it.
+struct Measured {
+    /// (batch, allocated peak, reserved peak) of the batches that fitted, ascending.
+    points: Vec<(u64, u64, u64)>,
+    /// (batch, outside the optimizer's step, inside it) of the search's own trials.
+    phase_points: Vec<(u64, u64, u64)>,
+    truth: u64,
+    limit: u64,
+}
+
+impl Measured {
+    fn new(row: &Row, limit: u64) -> Self {
+        let mut points: Vec<(u64, u64, u64)> = row
+            .curve
+            .iter()
+            .filter(|p| p.1)
+            .map(|p| (p.0, p.2, p.3))
+            .collect();
+        points.sort_unstable();
+        points.dedup_by_key(|p| p.0);
+        // Two points interpolate; a small maximum (nanoGPT's 15) leaves the truth no more.
+        assert!(points.len() >= 2, "{}: too few points", row.model);
+        Self {
+            points,
+            phase_points: row.phase_points(),
+            truth: row.true_max,
+            limit,
+        }
+    }
+
+    fn probe(&self, b: u64) -> Result<Outcome, Stop> {
+        if b > self.truth {
             return Ok(Outcome::OutOfMemory);
         }
-        let (peak, reserved) = interpolate(&points, b);
-        let peak = peak.min(limit);
+        let (peak, reserved) = interpolate(&self.points, b);
+        let peak = peak.min(self.limit);
         // The phases from the trials that measured them; the curve's whole peak is the
         // phase's that held the peak there.
-        let phases = (phase_points.len() >= 2).then(|| {
-            let (outside, optimizer) = interpolate(&phase_points, b);
+        let phases = (self.phase_points.len() >= 2).then(|| {
+            let (outside, optimizer) = interpolate(&self.phase_points, b);
             if outside >= optimizer {
                 PhasePeaks {
                     outside: peak,
@@ -336,10 +347,23 @@ fn replay(row: &Row, limit: u64, path: &std::path::Path) -> Replayed {
         // A batch that fits in the loop fits here too, whatever the line says.
         Ok(Outcome::Ran {
             peak,
-            reserved: reserved.min(limit),
+            reserved: reserved.min(self.limit),
             phases,
         })
+    }
+}
+
+fn replay(row: &Row, limit: u64, path: &std::path::Path) -> Replayed {
+    let measured = Measured::new(row, limit);
+    let (points, truth) = (&measured.points, measured.truth);
+    let config = SearchConfig {
+        limit,
+        max_batch: 1 << 16,
+        tolerance: TOLERANCE,
+        held: row.held.as_ref().map_or(0, |h| h.allocated),
+        ..SearchConfig::default()
     };
+    let probe = |b: u64| measured.probe(b);
     let result = search(&config, probe);
     let exact = SearchConfig {
         tolerance: 0.0,
@@ -350,7 +374,7 @@ fn replay(row: &Row, limit: u64, path: &std::path::Path) -> Replayed {
     assert_eq!(baseline.max_fit, Some(truth), "{}", row.model);
     let confirm = confirmation(&result);
     let confirm_cost = confirm.map_or(0.0, |b| {
-        b as f64 * fit_steps(interpolate(&points, b).1, limit)
+        b as f64 * fit_steps(interpolate(points, b).1, limit)
     });
     let search_cost = cost(&result, limit);
     let baseline_cost = cost(&baseline, limit);
@@ -380,7 +404,7 @@ fn replay(row: &Row, limit: u64, path: &std::path::Path) -> Replayed {
             search_cost,
             search_cost + confirm_cost,
             baseline_cost,
-            oracle_cost(&result, &points, truth, limit),
+            oracle_cost(&result, points, truth, limit),
         ),
     }
 }
