@@ -422,28 +422,24 @@ impl<'a> State<'a> {
             .reduce(f64::max)
     }
 
-    /// Where the cache's own line reaches the limit: through the reserved peaks of the largest
-    /// trial that fitted and of one at most half its batch; only where that trial left the
-    /// cache within [`RESERVED_TRUSTED`] of the limit.
+    /// Where the cache's own line reaches the limit: a local line through the reserved peaks
+    /// of the trials that fitted ([`local_line_reach`]); only where the largest of them left
+    /// the cache within [`RESERVED_TRUSTED`] of the limit.
     fn reserved_reach(&self) -> Option<u64> {
         let reserved = |t: &Trial| match t.outcome {
-            Outcome::Ran { reserved, .. } if t.fits && reserved > 0 => Some((t.batch, reserved)),
+            Outcome::Ran { reserved, .. } if t.fits && reserved > 0 => {
+                Some((t.batch as f64, reserved as f64))
+            }
             _ => None,
         };
-        let fitted: Vec<(u64, u64)> = self.trials.iter().filter_map(reserved).collect();
-        let &(x1, y1) = fitted.iter().max_by_key(|p| p.0)?;
-        let share = y1 as f64 / self.config.limit as f64;
-        if !(RESERVED_TRUSTED.0..=RESERVED_TRUSTED.1).contains(&share) {
+        let mut fitted: Vec<(f64, f64)> = self.trials.iter().filter_map(reserved).collect();
+        fitted.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+        let limit = self.config.limit as f64;
+        let &(_, top) = fitted.last()?;
+        if !(RESERVED_TRUSTED.0..=RESERVED_TRUSTED.1).contains(&(top / limit)) {
             return None;
         }
-        let &(x0, y0) = fitted
-            .iter()
-            .filter(|p| p.0 <= x1 / 2)
-            .max_by_key(|p| p.0)?;
-        let slope = (y1 as f64 - y0 as f64) / (x1 - x0) as f64;
-        (slope > 0.0)
-            .then(|| x1 as f64 + self.config.limit.saturating_sub(y1) as f64 / slope)
-            .and_then(at_least_one)
+        local_line_reach(&fitted, limit)
     }
 
     /// The trial that settles the answer by fitting below the failure `hi`, where the cache's
@@ -598,13 +594,19 @@ fn predict_from(points: &[(u64, u64)], limit_bytes: u64) -> Option<u64> {
             }
         }
     }
-    // A line through the point nearest the limit and one at most half its batch (a local
-    // slope that noise in neighbouring points cannot swing).
-    let lower = below
+    local_line_reach(&below, limit)
+}
+
+/// Where a line through the last of `points` (batch, bytes; ascending, at or below `limit`)
+/// and one at most half its batch reaches `limit`: a local slope that noise in neighbouring
+/// points cannot swing. With no point that low, the first one.
+fn local_line_reach(points: &[(f64, f64)], limit: f64) -> Option<u64> {
+    let upper = *points.last()?;
+    let lower = points
         .iter()
         .rev()
         .find(|p| p.0 * 2.0 <= upper.0)
-        .or_else(|| below.first().filter(|p| p.0 < upper.0))?;
+        .or_else(|| points.first().filter(|p| p.0 < upper.0))?;
     let slope = (upper.1 - lower.1) / (upper.0 - lower.0);
     if slope <= 0.0 {
         return None;
@@ -998,7 +1000,8 @@ mod tests {
     }
 
     /// ViT-B/16 fp32 as measured on an H100 under a 76 GiB cap (maxbatch-truth-2026-12-07e):
-    /// allocated and reserved peaks at 4, 64 and 598 samples; the true maximum is 621.
+    /// lines through its allocated and reserved peaks at 64 and 598 samples; the true maximum
+    /// is 621.
     fn vit_at_76_gib(b: u64, reserved_at_598: u64) -> Result<Outcome, Stop> {
         let line = |(x0, y0): (u64, u64), (x1, y1): (u64, u64)| {
             y0 as f64 + (y1 as f64 - y0 as f64) * (b as f64 - x0 as f64) / (x1 - x0) as f64
