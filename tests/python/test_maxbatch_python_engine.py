@@ -1552,6 +1552,24 @@ def test_token_sequences_longer_than_the_position_table_are_refused_before_any_f
     reply, seen = _seq_first_prepare(trials, TwoTowers(), input=[20])
     assert "refused" not in reply and seen == (5, 20), reply
 
+    # An image's shape given to a model whose first argument is token ids (CLIP's input_ids,
+    # its images under pixel_values): the refusal says why the shape was read as ids and
+    # points to a step of the user's, not only to a shorter "sequence".
+    class ClipLike(TwoTowers):
+        def forward(self, input_ids, pixel_values=None):
+            return super().forward(input_ids)
+
+    for shape, told in (([3, 40, 40], True), ([2, 40], False)):
+        model = ClipLike()
+        reply = call(trials, {"m": model}, "prepare",
+                     spec={"kind": "module", "target": "m", "input": shape})
+        refused = reply["refused"]
+        assert refused.startswith("m.text.position_embedding holds positions for 32 tokens"), reply
+        reason = (f"--input {'x'.join(map(str, shape))} was read as token ids because m takes its "
+                  "first argument, input_ids, into an Embedding; if you meant an image")
+        assert (reason in refused) == told, refused
+        assert ("%maxbatch --step FN" in refused) == told, refused
+
     reply, seen = _seq_first_prepare(trials, _pos_first(8, 12, 3), input=[8, 12])
     assert "refused" not in reply and seen == (5, 8, 12), reply
     assert reply["describe"]["vocab"] is None

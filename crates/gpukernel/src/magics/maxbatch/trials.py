@@ -1630,7 +1630,20 @@ class ModuleStep:
                     f"for sequences of {length}: a position past its table is an index out of "
                     f"range, which on a GPU ends CUDA in your kernel for good. Use --input "
                     f"{'x'.join(map(str, [*self.input[:-1], limit]))} (or less), the longest "
-                    f"sequence {self.name} takes")
+                    f"sequence {self.name} takes{self._not_an_image()}")
+
+    def _not_an_image(self):
+        """For a refusal that reads --input as token ids: where a sample's shape has three
+        dimensions or more, it names what sent them there, since such a shape is more likely
+        an image meant for another argument (CLIP's pixel_values) than a sequence."""
+        if len(self.input) < 3:
+            return ""
+        signature = self._forward_signature()
+        first = next(iter(signature.parameters), None) if signature is not None else None
+        argument = f"its first argument, {first}," if first else "its input"
+        return (f". --input {'x'.join(map(str, self.input))} was read as token ids because "
+                f"{self.name} takes {argument} into an Embedding; if you meant an image or "
+                f"other floats that {self.name} takes under another argument: {STEP_HINT}")
 
     def _position_tables(self):
         """The learned position tables that token ids are looked up beside: an Embedding
