@@ -589,6 +589,14 @@ def hf_mixtral():  # a mixture of experts (Mixtral-style, 8 experts, top 2; 8 la
                                             num_experts_per_tok=2, max_position_embeddings=1024,
                                             output_router_logits=True))
 
+def hf_qwen2():  # Qwen2.5-0.5B's shape (494M, 24 layers, d 896, 2 KV heads) and its 151,936-token
+    # vocabulary with tied embeddings: the logits, not the layers, set what a sample costs.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                        num_hidden_layers=24, num_attention_heads=14,
+                                        num_key_value_heads=2, max_position_embeddings=1024,
+                                        tie_word_embeddings=True))
+
 def fingerprint(name):
     # What a trial could change in the user's state, summed: equal before and after %maxbatch.
     m, opt = models[name], opts[name]
@@ -799,6 +807,14 @@ ROWS = {
                                        "hf_mixtral_bf16_labels_dropped --input 512 --amp bf16 --drops-output", False),
     "tutorial_seqfirst_fp32": ("make('tutorial_seqfirst_fp32', TutorialLM, seq_tokens(32000, 256))",
                                "tutorial_seqfirst_fp32 --input 256", False),
+    # Models no run had tried before the search's step along the cache's line (f0f9135), as a
+    # new user would bring them (2026-12-07): a Qwen2.5-0.5B-shaped LM on its own labels loss
+    # under bf16 autocast, and torchvision's own ViT-B/16 (not this file's) under bf16.
+    "hf_qwen2_bf16_labels": ("make('hf_qwen2_bf16_labels', hf_qwen2, tokens(151936, 512), torch.bfloat16); "
+                             "own_loss.add('hf_qwen2_bf16_labels')",
+                             "hf_qwen2_bf16_labels --input 512 --amp bf16", False),
+    "tv_vit_b16_bf16": ("make('tv_vit_b16_bf16', tv('vit_b_16'), images(224, 1000), torch.bfloat16)",
+                        "tv_vit_b16_bf16 --input 3x224x224 --amp bf16", False),
 }
 # The --step rows: the notebook variable their function trains.
 STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum", "gpt_frozen_step": "gptfrozen",
