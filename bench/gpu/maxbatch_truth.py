@@ -813,6 +813,11 @@ ROWS = {
     "hf_qwen2_bf16_labels": ("make('hf_qwen2_bf16_labels', hf_qwen2, tokens(151936, 512), torch.bfloat16); "
                              "own_loss.add('hf_qwen2_bf16_labels')",
                              "hf_qwen2_bf16_labels --input 512 --amp bf16", False),
+    # Its loop keeps only the loss (`m(input_ids=x, labels=x).loss`), as the row above's does:
+    # the same model sized for that loop with --drops-output.
+    "hf_qwen2_bf16_labels_dropped": ("make('hf_qwen2_bf16_labels_dropped', hf_qwen2, tokens(151936, 512), "
+                                     "torch.bfloat16); own_loss.add('hf_qwen2_bf16_labels_dropped')",
+                                     "hf_qwen2_bf16_labels_dropped --input 512 --amp bf16 --drops-output", False),
     "tv_vit_b16_bf16": ("make('tv_vit_b16_bf16', tv('vit_b_16'), images(224, 1000), torch.bfloat16)",
                         "tv_vit_b16_bf16 --input 3x224x224 --amp bf16", False),
 }
