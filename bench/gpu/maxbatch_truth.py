@@ -272,6 +272,7 @@ def make(name, factory, maker, amp=None, opt=None, weights=None):
 
 accumulate = {}  # name -> micro-batches per optimizer step (gradient accumulation)
 own_loss = set()  # names trained with the model's own loss (a Hugging Face model given labels=)
+own_loss_held = set()  # the same, the output kept into the next step (`outputs = model(**batch)`)
 own_targets = set()  # names trained as nanoGPT is: model(x, targets) returns (logits, loss)
 loss_only = set()  # of those, names whose loop keeps the loss only (`loss = model(x, y)[1]`)
 returns_loss = set()  # names whose forward returns (loss, ...) without targets (MAE's loop)
@@ -292,7 +293,10 @@ def train(name, batch, steps):
         for _ in range(micro):
             x, y = data[name](batch)
             with torch.autocast("cuda", dtype=amp, enabled=amp is not None):
-                if name in own_loss:  # as Hugging Face users train: the model's loss (shifted)
+                if name in own_loss_held:  # Hugging Face's own PyTorch loop: `outputs` (the
+                    out = m(input_ids=x, labels=x)  # logits) lives on into the next forward
+                    loss = out.loss / micro
+                elif name in own_loss:  # as Hugging Face users train: the model's loss (shifted)
                     loss = m(input_ids=x, labels=x).loss / micro
                 elif name in loss_only:  # the logits dropped at once
                     loss = m(x, y)[1] / micro
@@ -488,7 +492,7 @@ def lightning_procedure(name, steps=3, max_trials=25):
 def drop(name):
     for d in (models, opts, data, amps, scalers, scheds, accumulate):
         d.pop(name, None)
-    clip.discard(name); own_loss.discard(name)
+    clip.discard(name); own_loss.discard(name); own_loss_held.discard(name)
     globals().pop(name, None); globals().pop(name + "_opt", None)
     gc.collect(); torch.cuda.empty_cache()
 
@@ -818,6 +822,12 @@ ROWS = {
     "hf_qwen2_bf16_labels_dropped": ("make('hf_qwen2_bf16_labels_dropped', hf_qwen2, tokens(151936, 512), "
                                      "torch.bfloat16); own_loss.add('hf_qwen2_bf16_labels_dropped')",
                                      "hf_qwen2_bf16_labels_dropped --input 512 --amp bf16 --drops-output", False),
+    # The same model in the loop of Hugging Face's "Training in native PyTorch" tutorial and
+    # Accelerate's examples, `outputs = model(**batch); loss = outputs.loss`, which keeps the
+    # logits into the next forward: the standard step's default.
+    "hf_qwen2_bf16_labels_held": ("make('hf_qwen2_bf16_labels_held', hf_qwen2, tokens(151936, 512), "
+                                  "torch.bfloat16); own_loss_held.add('hf_qwen2_bf16_labels_held')",
+                                  "hf_qwen2_bf16_labels_held --input 512 --amp bf16", False),
     "tv_vit_b16_bf16": ("make('tv_vit_b16_bf16', tv('vit_b_16'), images(224, 1000), torch.bfloat16)",
                         "tv_vit_b16_bf16 --input 3x224x224 --amp bf16", False),
 }
