@@ -268,9 +268,12 @@ HEADROOM, SLACK = 0.95, 0.001
 def steady(rows):
     """Checks the rule %maxbatch ends its trials by (trials.py `_run_steps`: after a second
     step that left the allocated bytes within SLACK of the limit of where the first did, the
-    scale unchanged, the cache at most HEADROOM of the limit, the third is not run) on the
-    truth's own probes, which ran every step and marked each (`step_marks`: peak, allocated,
-    reserved, segments, inactive split, scale, peak reserved)."""
+    scale unchanged, the cache at most HEADROOM of the limit and room under the limit for one
+    more of the step's largest allocations, the third is not run) on the truth's own probes,
+    which ran every step and marked each (`step_marks`: peak, allocated, reserved, segments,
+    inactive split, scale, peak reserved). The largest allocation at a probe's batch is the
+    row's `room` block per sample times the batch (the trials measured it; without a room the
+    rule is checked without it, as under expandable segments)."""
     probes = [(r, b, ok, m) for r in rows for b, ok, m in r.get("step_marks", [])]
     if not probes:
         return
@@ -281,8 +284,10 @@ def steady(rows):
         limit = r["limit"]
         # Each step's peak reserved (runs before 2026-12-04c marked only what it left).
         reserved = [s[6] if len(s) > 6 else s[2] for s in m[:2]]
+        room = r.get("room") or {}
+        block = (room.get("block_per_sample") or 0) * batch
         if (m[1][5] == m[0][5] and abs(m[1][1] - m[0][1]) <= SLACK * limit
-                and max(reserved) <= HEADROOM * limit):
+                and max(reserved) <= HEADROOM * limit and max(reserved) + block <= limit):
             ends += 1
             if not ok:
                 misses.append(f"{r['model']}@{batch}: out of memory at step 3")

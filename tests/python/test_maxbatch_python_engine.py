@@ -2901,6 +2901,33 @@ def test_the_steady_stop_follows_the_marks_steps_leave(trials, marks, far, most,
     assert session.step.made == ran
 
 
+@pytest.mark.parametrize("reserved, segments, far", [
+    # the cache's peak so far, its segments now [(address, bytes, expandable)]; the limit is
+    # 1000 bytes, and the trial began with segment 0x1 (200 bytes) held
+    (900, [(0x1, 200, False)], True),  # nothing new: nothing of the trial's to strand
+    (900, [(0x1, 200, False), (0x2, 100, False)], True),  # one more 100-byte block fits
+    # Qwen2's case (maxbatch-truth-2026-12-07q): a cache at 0.936 of the limit could not make
+    # its 0.133 logits block anew, and the third step failed
+    (900, [(0x1, 200, False), (0x2, 150, False), (0x3, 20, False)], False),
+    (960, [(0x1, 200, False)], False),  # above STEADY_HEADROOM
+    (900, None, True),  # a snapshot this torch cannot give: the headroom alone
+    (900, [(0x1, 200, False), (0x2, 150, True)], True),  # expandable segments strand nothing
+])
+def test_a_trial_ends_early_only_with_room_for_its_largest_allocation(trials, reserved,
+                                                                       segments, far):
+    class Peaks:
+        def reserved(self):
+            return reserved
+
+    session = trials.Session.__new__(trials.Session)  # the rule alone
+    session.trial_peaks = Peaks()
+    session.held_segments = {(0x1, 200)}
+    session._segments = lambda: segments
+    assert session._far_below(1000) is far
+    session.trial_peaks = None  # off the GPU nothing is read: far below
+    assert session._far_below(1000) is True
+
+
 def test_a_step_that_draws_from_the_users_dataloader_leaves_it_drawing_the_same(trials):
     import torch
     from torch.utils.data import DataLoader, TensorDataset
