@@ -2361,7 +2361,6 @@ class Session:
         return self.steps_ran
 
     def trial(self, batch, steps, timed=0):
-        torch = self.torch
         self.trials += 1
         began = time.perf_counter()
         if not self.settled:  # the previous trial's end left the cache empty and nothing to collect
@@ -2370,8 +2369,8 @@ class Session:
         _remove_hooks()  # any that an interrupt left behind
         # The cache holds only what the user holds now: what the trial adds is its own.
         held_segments = self._segments()
-        self.held_segments = held_segments = (
-            None if held_segments is None else {(a, size) for a, size, _ in held_segments})
+        self.held_segments = (None if held_segments is None
+                              else {(a, size) for a, size, _ in held_segments})
         self.trial_peaks = peaks = self._phase_peaks()
         retry = False
         before_ooms = self._num_ooms()
@@ -2401,17 +2400,8 @@ class Session:
             del err
         except BaseException as err:  # the step's own failure: reported, the state put back
             result["steps"] = self.steps_ran + 1  # the step that failed
-            if self._is_oom(err, before_ooms):
-                result["result"] = "out_of_memory"
-                result["message"] = str(err).strip().splitlines()[0] if str(err) else ""
-            else:
-                result["result"] = "error"
-                result["error"] = {"ename": type(err).__name__, "evalue": str(err),
-                                   "where": _where(err)}
-                # A step torch.compile(fullgraph=True) traces cannot call the hooks (a
-                # custom optimizer's compiled step): the trial runs again without them.
-                retry = (peaks is not None and peaks.hooks
-                         and type(err).__module__.startswith("torch._dynamo"))
+            failure, retry = self._failure(err, before_ooms, peaks)
+            result.update(failure)
             _drop_frames(err)
             del err
         finally:
@@ -2419,9 +2409,33 @@ class Session:
                 peaks.stop()  # the hooks go, whatever ended the steps
             _remove_hooks()
         result["ms"] = (time.perf_counter() - started) * 1000.0
-        clock = _Clock()  # where the time between two trials goes
+        self._clean_up(result, peaks)
+        if retry:
+            self.phase_hooks = False
+            self.trials -= 1
+            return self.trial(batch, steps, timed)
+        return result
+
+    def _failure(self, err, before_ooms, peaks):
+        """What a step's exception makes of its trial: the result's fields, and whether the
+        trial runs again without the phase hooks."""
+        if self._is_oom(err, before_ooms):
+            return {"result": "out_of_memory",
+                    "message": str(err).strip().splitlines()[0] if str(err) else ""}, False
+        # A step torch.compile(fullgraph=True) traces cannot call the hooks (a custom
+        # optimizer's compiled step): the trial runs again without them.
+        retry = (peaks is not None and peaks.hooks
+                 and type(err).__module__.startswith("torch._dynamo"))
+        return {"result": "error", "error": {"ename": type(err).__name__, "evalue": str(err),
+                                             "where": _where(err)}}, retry
+
+    def _clean_up(self, result, peaks):
+        """After a trial's steps: its peaks and largest block into `result`, its garbage
+        collected, the cache emptied and the user's state put back (`cleanup_ms`: where the
+        time between two trials goes)."""
+        clock = _Clock()
         if result["result"] == "ran" and self.on_gpu():
-            result["largest_block"] = self._largest_block(held_segments)
+            result["largest_block"] = self._largest_block(self.held_segments)
             clock.lap("segments")
         if peaks is not None:
             result["peak_allocated"] = peaks.allocated()
@@ -2439,12 +2453,7 @@ class Session:
         clock.lap("restore")
         result["cleanup_ms"] = clock.laps
         if self.on_gpu():
-            result["allocated_after"] = torch.cuda.memory_allocated(self.device)
-        if retry:
-            self.phase_hooks = False
-            self.trials -= 1
-            return self.trial(batch, steps, timed)
-        return result
+            result["allocated_after"] = self.torch.cuda.memory_allocated(self.device)
 
     def _adopt_unreached_optimizers(self):
         """An optimizer the step steps that find_state did not reach is kept before its first
