@@ -265,18 +265,19 @@ def least_time(rows):
 HEADROOM, SLACK = 0.95, 0.001
 
 
-def steady(rows):
-    """Checks the rule %maxbatch ends its trials by (trials.py `_run_steps`: after a second
-    step that left the allocated bytes within SLACK of the limit of where the first did, the
-    scale unchanged, the cache at most HEADROOM of the limit and room under the limit for one
-    more of the step's largest allocations, the third is not run) on the truth's own probes,
-    which ran every step and marked each (`step_marks`: peak, allocated, reserved, segments,
-    inactive split, scale, peak reserved). The largest allocation at a probe's batch is the
-    row's `room` block per sample times the batch (the trials measured it; without a room the
-    rule is checked without it, as under expandable segments)."""
+def early_end_calls(rows):
+    """The rule %maxbatch ends its trials by (trials.py `_run_steps` and `_far_below`: after a
+    second step that left the allocated bytes within SLACK of the limit of where the first
+    did, the scale unchanged, the cache at most HEADROOM of the limit and room under the limit
+    for one more of the step's largest allocations, the third is not run), checked on the
+    truth's own probes, which ran every step and marked each (`step_marks`: peak, allocated,
+    reserved, segments, inactive split, scale, peak reserved). The largest allocation at a
+    probe's batch is the row's `room` block per sample times the batch (the trials measured
+    it; without a room the rule is checked without it, as under expandable segments).
+    Returns the probes, how many it ends, how many fitted, the wrong calls (a probe it ends
+    that ran out of memory at step 3) and, for the ones it ends that ran a third step, how
+    much higher that step peaked."""
     probes = [(r, b, ok, m) for r in rows for b, ok, m in r.get("step_marks", [])]
-    if not probes:
-        return
     ends, misses, excess = 0, [], []
     for r, batch, ok, m in probes:
         if len(m) < 2:
@@ -294,6 +295,14 @@ def steady(rows):
             elif len(m) >= 3:
                 excess.append(m[2][0] - max(m[0][0], m[1][0]))
     fitted = sum(1 for p in probes if p[2])
+    return probes, ends, fitted, misses, excess
+
+
+def steady(rows):
+    """Prints `early_end_calls` on a run's rows, and the step each failed probe failed at."""
+    probes, ends, fitted, misses, excess = early_end_calls(rows)
+    if not probes:
+        return
     worst = max(excess, default=0)
     print(f"\nThe early end of a trial, checked on the truth's {len(probes)} probes (3 steps "
           f"each, every step marked): {ends} of the {fitted} that fitted would have ended after "

@@ -22,7 +22,8 @@ import pytest
 
 from kernel_client import collect, execute, running_kernel, stream_text
 
-TRIALS = Path(__file__).resolve().parents[2] / "crates/gpukernel/src/magics/maxbatch/trials.py"
+REPO = Path(__file__).resolve().parents[2]
+TRIALS = REPO / "crates/gpukernel/src/magics/maxbatch/trials.py"
 
 # A model mid-training, with every kind of state a trial could disturb: BatchNorm statistics,
 # gradients, AdamW state, an LR scheduler, a GradScaler, training flags (eval on one
@@ -2926,6 +2927,29 @@ def test_a_trial_ends_early_only_with_room_for_its_largest_allocation(trials, re
     assert session._far_below(1000) is far
     session.trial_peaks = None  # off the GPU nothing is read: far below
     assert session._far_below(1000) is True
+
+
+def test_the_early_end_skipped_no_third_step_that_failed_in_a_committed_run(trials):
+    """The rule above, checked on every committed truth run's probes (bench/results: each ran
+    three steps of the notebook's own loop on a GPU and marked every one) by the truth
+    report's own check, with trials.py's constants: no probe the rule would end after two
+    steps ran out of memory at its third. Before the room for the largest allocation was
+    asked for, a Qwen2-shaped LM's probe at 35 did (maxbatch-truth-2026-12-07q)."""
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "_truth_report", REPO / "bench/gpu/truth_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    assert (report.HEADROOM, report.SLACK) == (trials.STEADY_HEADROOM, trials.STEADY_SLACK)
+    runs = sorted((REPO / "bench/results").glob("maxbatch-truth-*.json"))
+    rows = [r for run in runs for r in json.loads(run.read_text())["rows"]
+            if r.get("engine") == "python" and "error" not in r]
+    probes, ends, fitted, misses, _ = report.early_end_calls(rows)
+    assert not misses, misses
+    # The rule still ends most probes that fit (959 of the 1688 through -07u): it saves the
+    # third step where it is spent for nothing.
+    assert len(probes) >= 1700 and ends >= fitted // 2, (len(probes), ends, fitted)
 
 
 def test_a_step_that_draws_from_the_users_dataloader_leaves_it_drawing_the_same(trials):
