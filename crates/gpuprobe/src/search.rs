@@ -442,17 +442,17 @@ impl<'a> State<'a> {
         local_line_reach(&fitted, limit)
     }
 
-    /// The trial that settles the answer by fitting below the failure `hi`, where the cache's
-    /// line ([`Self::reserved_reach`]) puts the maximum below `hi` and at that trial or up
-    /// to the tolerance short of it. Short of it too, on purpose: a failure there is the
-    /// cheap kind of trial, and a fit ends the search (replayed, without that slack the cost
-    /// was 0.362 of the baseline's, not 0.353). After such a trial failed it can be chosen
-    /// again, a tolerance lower, as a failure adds no point to the line; skipping it then
-    /// cost more on the replay (0.356).
-    fn closing_by_reach(&self, hi: u64) -> Option<u64> {
-        let reach = self.reserved_reach()?;
-        let below = self.closing_below(hi);
-        (reach < hi && reach.saturating_add(self.slack(reach)) >= below).then_some(below)
+    /// Whether the cache's line ([`Self::reserved_reach`]) puts the maximum below the failure
+    /// `hi` and at the trial that settles the answer by fitting ([`Self::closing_below`]) or
+    /// up to the tolerance short of it: that trial comes next. Short of it too, on purpose: a
+    /// failure there is the cheap kind of trial, and a fit ends the search (replayed, without
+    /// that slack the cost was 0.362 of the baseline's, not 0.353). After such a trial failed
+    /// it can be chosen again, a tolerance lower, as a failure adds no point to the line;
+    /// skipping it then cost more on the replay (0.356).
+    fn reach_settles(&self, hi: u64) -> bool {
+        self.reserved_reach().is_some_and(|reach| {
+            reach < hi && reach.saturating_add(self.slack(reach)) >= self.closing_below(hi)
+        })
     }
 
     fn next_batch(&self) -> u64 {
@@ -476,7 +476,7 @@ impl<'a> State<'a> {
         let wanted = match (self.hi, self.band(missed)) {
             // The cache's line puts the maximum at or near the trial that settles the answer
             // by fitting, and below the failure: that trial.
-            (Some(hi), _) if self.closing_by_reach(hi).is_some() => self.closing_below(hi),
+            (Some(hi), _) if self.reach_settles(hi) => self.closing_below(hi),
             // The lowered band had its one trial.
             (Some(hi), _) if failures > BIAS.len() => geometric(hi),
             (Some(hi), Some((low, _))) if missed => {
@@ -1043,9 +1043,9 @@ mod tests {
         // The bracket's middle comes first, a trial more, where the line is not taken: the
         // cache at 0.986 of the limit at 603, whose line would reach it at 611 (near the
         // limit the allocator frees and retries, so its peak stops following the batch); a
-        // line that reaches the limit
-        // only at or past the failure (652); and with no tolerance (`--exact`), where the
-        // line's 619 is short of the trial that settles the answer, 629.
+        // line that reaches the limit only at or past the failure (652); and with no
+        // tolerance (`--exact`), where the line's 619 is short of the trial that settles
+        // the answer, 629.
         for (tolerance, reserved_at_598, why) in [
             (0.015, 79_850_000_000, "the cache near the limit"),
             (0.015, 75_000_000_000, "a line past the failure"),
