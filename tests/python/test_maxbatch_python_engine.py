@@ -2929,6 +2929,31 @@ def test_a_trial_ends_early_only_with_room_for_its_largest_allocation(trials, re
     assert session._far_below(1000) is True
 
 
+@pytest.mark.parametrize("outcome, block", [("ran", 150), ("out_of_memory", None)])
+def test_a_trial_that_ran_reports_its_largest_block_read_before_the_cache_is_emptied(
+        trials, outcome, block):
+    """`_clean_up` reads the trial's largest new segment (the room for a stranded block comes
+    from it) while the cache still holds the trial's segments: the cache is emptied after.
+    A trial that failed reports none (its segments are what its failure left)."""
+    import types
+
+    cache = {"segments": [(0x1, 200, False), (0x2, 150, False), (0x3, 20, False)]}
+    session = trials.Session.__new__(trials.Session)  # the bookkeeping alone, as on a GPU
+    session.on_gpu = lambda: True
+    session.held_segments = {(0x1, 200)}
+    session._segments = lambda: list(cache["segments"])
+    session._settle = lambda collect=True: cache.update(segments=[(0x1, 200, False)])
+    session.restore = lambda: None
+    session.device = "cuda:0"
+    session.torch = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(memory_allocated=lambda device: 200))
+    result = {"batch": 8, "result": outcome}
+    session._clean_up(result, None)
+    assert result.get("largest_block") == block
+    assert cache["segments"] == [(0x1, 200, False)] and session.settled
+    assert result["allocated_after"] == 200 and "collect" in result["cleanup_ms"]
+
+
 def test_the_early_end_skipped_no_third_step_that_failed_in_a_committed_run(trials):
     """The rule above, checked on every committed truth run's probes (bench/results: each ran
     three steps of the notebook's own loop on a GPU and marked every one) by the truth
