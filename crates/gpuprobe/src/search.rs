@@ -208,6 +208,10 @@ pub struct SearchResult {
     pub exact: bool,
     /// The answer is within the tolerance of the true maximum (`exact` implies it).
     pub settled: bool,
+    /// `max_fit` is the largest batch the search may try (`SearchConfig::max_batch`) and no
+    /// batch failed: the true maximum is that or above it, not found.
+    #[serde(default)]
+    pub capped: bool,
     pub trials: Vec<Trial>,
     /// Fixed bytes and bytes per sample of the line through the two opening trials (their
     /// peaks outside the optimizer's step, where split).
@@ -549,11 +553,13 @@ impl<'a> State<'a> {
             (None, None) => false,
         };
         let settled = exact || stopped.is_none() && self.done();
+        let capped = self.hi.is_none() && self.lo.is_some_and(|lo| lo >= self.config.max_batch);
         SearchResult {
             max_fit: self.lo,
             min_fail: self.hi,
             exact: exact && stopped.is_none(),
             settled: settled && stopped.is_none(),
+            capped,
             trials: self.trials,
             fit,
             stopped,
@@ -1173,10 +1179,21 @@ mod tests {
         let result = search(&config, device(140 * GIB, huge));
         assert_eq!(result.max_fit, None);
         assert_eq!(result.min_fail, Some(1));
+        assert!(!result.capped);
         let tiny = |b: u64| b;
         let result = search(&config, device(140 * GIB, tiny));
         assert_eq!(result.max_fit, Some(1024));
-        assert!(result.exact);
+        assert!(result.exact && result.capped);
+        // A step that makes its batch at a size of its own (a --step FN that ignores its
+        // argument): with no line to follow the search doubles, up to its cap.
+        let flat = |_b: u64| 3 * GIB;
+        let config = SearchConfig {
+            max_batch: 1 << 16,
+            ..config
+        };
+        let result = search(&config, device(140 * GIB, flat));
+        assert_eq!(result.max_fit, Some(1 << 16));
+        assert!(result.capped, "{:?}", result.trials);
     }
 
     #[test]

@@ -509,6 +509,7 @@ mod tests {
             min_fail: Some(338),
             exact: true,
             settled: true,
+            capped: false,
             trials: vec![],
             fit: Some((1.0e9, per_sample)),
             stopped: None,

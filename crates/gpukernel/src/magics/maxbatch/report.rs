@@ -328,6 +328,9 @@ enum RoomSays {
 pub(super) fn summary(f: &Findings) -> Bundle {
     let search = &f.search;
     let mut text = headline(f);
+    if search.min_fail.is_none() {
+        text.push_str(&flat_memory_line(search).unwrap_or_default());
+    }
     if let Some((says, room)) = f.room_says() {
         text.push_str(&match says {
             RoomSays::HoldsTheRecommendation => room_line(&room),
@@ -387,6 +390,35 @@ pub(super) fn summary(f: &Findings) -> Bundle {
     data
 }
 
+/// Where the step's peak hardly grew from the smallest trial that ran to the largest (by at
+/// least 4 times the batch): a step that makes its batch at a size of its own is sized at that
+/// size, whatever the search asks (a `--step FN` that ignores its argument).
+fn flat_memory_line(search: &SearchResult) -> Option<String> {
+    let ran = search.trials.iter().filter_map(|t| match t.outcome {
+        Outcome::Ran { peak, .. } => Some((t.batch, peak)),
+        Outcome::OutOfMemory => None,
+    });
+    let (small, large) = (ran.clone().min()?, ran.max()?);
+    let grew = large.1.saturating_sub(small.1) as f64;
+    (large.0 >= 4 * small.0 && grew <= FLAT_GROWTH * small.1 as f64).then(|| {
+        format!(
+            "  its peak hardly grew with the batch: {} at batch {}, {} at batch {}. Does the \
+             step make its batch from the size it is given? A --step FN that ignores its \
+             argument (a batch drawn at a size of its own, a DataLoader made once) is sized \
+             at that size, not at these\n",
+            human_bytes(small.1),
+            small.0,
+            human_bytes(large.1),
+            large.0
+        )
+    })
+}
+
+/// Growth of the peak, as a fraction of the smallest trial's, below which a step's memory is
+/// taken not to depend on the batch (a batch's own bytes are seldom under 1% of the weights,
+/// gradients and optimizer state at 4 times the batch).
+const FLAT_GROWTH: f64 = 0.01;
+
 /// The answer's first line: the maximum, how exact it is, and the recommendation.
 fn headline(f: &Findings) -> String {
     let search = &f.search;
@@ -399,6 +431,11 @@ fn headline(f: &Findings) -> String {
         " (not confirmed: trial budget reached)".to_string()
     };
     match (search.max_fit, recommended) {
+        (Some(max), Some(rec)) if search.capped => format!(
+            "%maxbatch {}: every batch tried fits, up to {max} (--max, the largest this search \
+             tries: raise it to search further); recommended: {rec} ({}% margin)\n",
+            f.model, f.margin_percent,
+        ),
         (Some(max), Some(rec)) => format!(
             "%maxbatch {}: largest batch that fits: {max}{accuracy}; recommended: {rec} ({}% margin{}{})\n",
             f.model,
@@ -517,7 +554,7 @@ fn summary_json(f: &Findings) -> serde_json::Value {
     let recommended = f.recommended();
     json!({
         "model": f.model, "max_batch": search.max_fit, "exact": search.exact,
-        "settled": search.settled, "recommended": recommended,
+        "settled": search.settled, "capped": search.capped, "recommended": recommended,
         "margin_percent": f.margin_percent, "margin_batch": f.margin_batch(),
         "room_held": f.room_held(), "limit_bytes": f.limit,
         "device_total_bytes": f.device_total,
@@ -677,6 +714,7 @@ mod tests {
                 min_fail: Some(1706),
                 exact: true,
                 settled: true,
+                capped: false,
                 trials: vec![
                     ran(4, 573_000_000),
                     ran(64, 1_787_000_000),
@@ -932,6 +970,59 @@ mod tests {
         assert_eq!(value["recommended"], 1616);
         assert_eq!(value["engine"], "python");
         assert_eq!(value["trials"][3]["outcome"]["result"], "out_of_memory");
+    }
+
+    /// Findings where every trial fitted up to `--max` (65536), each peak given by `peak`.
+    fn capped(peak: impl Fn(u64) -> u64) -> Findings {
+        let mut f = findings();
+        f.search.trials = [4u64, 1024, 65536]
+            .into_iter()
+            .map(|batch| Trial {
+                batch,
+                outcome: Outcome::Ran {
+                    peak: peak(batch),
+                    reserved: peak(batch),
+                    phases: None,
+                },
+                fits: true,
+            })
+            .collect();
+        (f.search.max_fit, f.search.min_fail, f.search.capped) = (Some(65536), None, true);
+        f
+    }
+
+    #[test]
+    fn every_batch_fitting_up_to_the_cap_is_not_called_the_largest_that_fits() {
+        // A step whose memory grows: the cap is named, nothing more.
+        let data = summary(&capped(|b| 2_000_000_000 + b * 100_000));
+        let text = data["text/plain"].as_str().unwrap();
+        assert!(!text.contains("largest batch that fits"), "{text}");
+        assert!(
+            text.contains("every batch tried fits, up to 65536 (--max"),
+            "{text}"
+        );
+        assert!(text.contains("recommended: 62256"), "{text}");
+        assert!(!text.contains("hardly grew"), "{text}");
+        assert_eq!(data["application/json"]["capped"], true);
+        // A step that makes its batch at a size of its own: its memory stays put.
+        let text = summary(&capped(|b| 2_000_000_000 + b % 7 * 1000))["text/plain"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(
+            text.contains("its peak hardly grew with the batch: 1.86 GiB at batch 4"),
+            "{text}"
+        );
+        assert!(
+            text.contains("--step FN that ignores its argument"),
+            "{text}"
+        );
+        // A search that found its maximum says it as before.
+        let text = summary(&findings())["text/plain"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(!text.contains("every batch tried") && !text.contains("hardly grew"));
     }
 
     #[test]
