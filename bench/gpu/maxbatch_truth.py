@@ -650,6 +650,16 @@ def rmsprop_recipe(m):  # torchvision's MobileNetV3 recipe
 
 def sgd_recipe(m):  # torchvision's segmentation and video recipes
     return torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9, weight_decay=1e-4)
+
+# Rows new on 2026-12-07: timm's models as its training recipes build them (stochastic depth;
+# timm's own gradient checkpointing), from the timm wheel carried in .whl/hf.
+def timm_model(name, checkpointing=False, **kw):
+    def factory():
+        import timm
+        m = timm.create_model(name, pretrained=False, **kw)
+        m.set_grad_checkpointing(checkpointing)
+        return m
+    return factory
 """
 
 # row: (name, setup code, magic arguments, libtorch too?, lightning?)
@@ -830,6 +840,12 @@ ROWS = {
                                   "hf_qwen2_bf16_labels_held --input 512 --amp bf16", False),
     "tv_vit_b16_bf16": ("make('tv_vit_b16_bf16', tv('vit_b_16'), images(224, 1000), torch.bfloat16)",
                         "tv_vit_b16_bf16 --input 3x224x224 --amp bf16", False),
+    "timm_vit_b16_bf16": ("make('timm_vit_b16_bf16', timm_model('vit_base_patch16_224', "
+                          "drop_path_rate=0.1), images(224, 1000), torch.bfloat16)",
+                          "timm_vit_b16_bf16 --input 3x224x224 --amp bf16", False),
+    "timm_convnext_t_ckpt_fp32": ("make('timm_convnext_t_ckpt_fp32', timm_model('convnext_tiny', True, "
+                                  "drop_path_rate=0.1), images(224, 1000))",
+                                  "timm_convnext_t_ckpt_fp32 --input 3x224x224", False),
 }
 # The --step rows: the notebook variable their function trains.
 STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum", "gpt_frozen_step": "gptfrozen",

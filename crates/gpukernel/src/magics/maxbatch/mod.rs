@@ -16,6 +16,7 @@
 mod export;
 #[cfg(feature = "torch")]
 mod libtorch_engine;
+mod outside;
 mod python_engine;
 mod report;
 

@@ -6,7 +6,7 @@
 use super::report::{
     Assumptions, Card, Confirmation, EngineKind, Findings, Held, Line, Live, Throughput, Timings,
 };
-use super::{Args, SearchKind};
+use super::{outside, Args, SearchKind};
 use crate::magics::python::{module_call_expression, Bound, EvalError, PythonKernel};
 use crate::magics::{MagicContext, MagicError, Output};
 use gpuprobe::loss::{self, LossInputs, LossPlan};
@@ -120,6 +120,9 @@ struct Memory {
     name: Option<String>,
     uuid: Option<String>,
     total: Option<u64>,
+    free: Option<u64>,
+    /// `torch.cuda.get_per_process_memory_fraction`.
+    fraction: Option<f64>,
     limit: Option<u64>,
     allocated: Option<u64>,
     reserved: Option<u64>,
@@ -567,6 +570,9 @@ fn search_on_gpu(
     findings
         .notes
         .extend(output_note(args, prepared, &findings.search));
+    findings
+        .notes
+        .extend(outside_note(python.pid(), &memory, limit));
     if args.throughput {
         findings.throughput = Some(throughput(session, &live, &findings, trial_limit)?);
     }
@@ -975,6 +981,26 @@ fn cap(
             context,
         }),
     ))
+}
+
+/// The note on memory in use outside the Python kernel's allocator where it set the limit
+/// (another user's training on a shared card), naming the processes NVML shows there.
+fn outside_note(pid: u32, memory: &Memory, limit: u64) -> Option<String> {
+    let budget = outside::Budget {
+        total: memory.total?,
+        free: memory.free?,
+        reserved: memory.reserved.unwrap_or(0),
+        fraction: memory.fraction.unwrap_or(1.0),
+    };
+    if !budget.worth_a_note() {
+        return None;
+    }
+    let snapshot = gpuprobe::Nvml::open().and_then(|nvml| nvml.snapshot());
+    let holders = match (memory.uuid.as_deref(), snapshot) {
+        (Some(uuid), Ok(snapshot)) => outside::holders(&snapshot, uuid, pid),
+        _ => Vec::new(),
+    };
+    outside::note(&budget, limit, &holders)
 }
 
 /// The Python kernel's CUDA context on its device: NVML's figure for the process less what
@@ -1460,6 +1486,8 @@ mod tests {
             name: None,
             uuid: None,
             total: None,
+            free: None,
+            fraction: None,
             limit: None,
             allocated: Some(3 << 30),
             reserved: Some(4 << 30),
