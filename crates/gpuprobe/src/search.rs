@@ -204,12 +204,13 @@ pub struct SearchResult {
     pub max_fit: Option<u64>,
     /// Smallest batch seen not to fit.
     pub min_fail: Option<u64>,
-    /// `max_fit + 1 == min_fail` (or `max_fit == max_batch`): the answer is exact.
+    /// `max_fit + 1 == min_fail`: the answer is exact.
     pub exact: bool,
     /// The answer is within the tolerance of the true maximum (`exact` implies it).
     pub settled: bool,
     /// `max_fit` is the largest batch the search may try (`SearchConfig::max_batch`) and no
-    /// batch failed: the true maximum is that or above it, not found.
+    /// batch failed: the true maximum is that or above it, not found (neither `exact` nor
+    /// `settled`).
     #[serde(default)]
     pub capped: bool,
     pub trials: Vec<Trial>,
@@ -217,6 +218,31 @@ pub struct SearchResult {
     /// peaks outside the optimizer's step, where split).
     pub fit: Option<(f64, f64)>,
     pub stopped: Option<Stop>,
+}
+
+/// Growth of the peak, as a fraction of the smallest trial's, at or below which a step's
+/// memory is taken not to depend on the batch: at 4 times the batch or more, the batch's own
+/// activations are seldom under 1% of the weights, gradients and optimizer state.
+const FLAT_GROWTH: f64 = 0.01;
+
+impl SearchResult {
+    /// The smallest and the largest trial that ran, (batch, peak) each, where no trial failed
+    /// and the peak grew by at most [`FLAT_GROWTH`] between them over at least 4 times the
+    /// batch: a step that makes its batch at a size of its own (a `--step FN` that ignores
+    /// its argument) whatever the search asks.
+    pub fn flat_memory(&self) -> Option<((u64, u64), (u64, u64))> {
+        if self.min_fail.is_some() {
+            return None;
+        }
+        let ran = self.trials.iter().filter_map(|t| match t.outcome {
+            Outcome::Ran { peak, .. } => Some((t.batch, peak)),
+            Outcome::OutOfMemory => None,
+        });
+        let (small, large) = (ran.clone().min()?, ran.max()?);
+        let grew = large.1.saturating_sub(small.1) as f64;
+        (large.0 >= small.0.saturating_mul(4) && grew <= FLAT_GROWTH * small.1 as f64)
+            .then_some((small, large))
+    }
 }
 
 /// Runs the model-guided search. `probe(batch)` runs one real step.
@@ -554,11 +580,12 @@ impl<'a> State<'a> {
         };
         let settled = exact || stopped.is_none() && self.done();
         let capped = self.hi.is_none() && self.lo.is_some_and(|lo| lo >= self.config.max_batch);
+        let found = stopped.is_none() && !capped;
         SearchResult {
             max_fit: self.lo,
             min_fail: self.hi,
-            exact: exact && stopped.is_none(),
-            settled: settled && stopped.is_none(),
+            exact: exact && found,
+            settled: settled && found,
             capped,
             trials: self.trials,
             fit,
@@ -1183,10 +1210,12 @@ mod tests {
         let tiny = |b: u64| b;
         let result = search(&config, device(140 * GIB, tiny));
         assert_eq!(result.max_fit, Some(1024));
-        assert!(result.exact && result.capped);
-        // A step that makes its batch at a size of its own (a --step FN that ignores its
-        // argument): with no line to follow the search doubles, up to its cap.
-        let flat = |_b: u64| 3 * GIB;
+        // Every batch fits up to the cap: the maximum is not found.
+        assert!(result.capped && !result.exact && !result.settled);
+        assert_eq!(result.flat_memory(), None); // 1 byte a sample: it grew
+                                                // A step that makes its batch at a size of its own (a --step FN that ignores its
+                                                // argument): with no line to follow the search doubles, up to its cap.
+        let flat = |b: u64| 3 * GIB + b % 3;
         let config = SearchConfig {
             max_batch: 1 << 16,
             ..config
@@ -1194,6 +1223,11 @@ mod tests {
         let result = search(&config, device(140 * GIB, flat));
         assert_eq!(result.max_fit, Some(1 << 16));
         assert!(result.capped, "{:?}", result.trials);
+        let ((small, _), (large, _)) = result.flat_memory().expect("flat");
+        assert_eq!((small, large), (4, 1 << 16));
+        // Found below the cap: neither capped nor flat.
+        let result = search(&config, device(140 * GIB, |b| GIB + b * 10 * MIB));
+        assert!(!result.capped && result.exact && result.flat_memory().is_none());
     }
 
     #[test]

@@ -17,13 +17,14 @@ const WORTH_A_NOTE: u64 = 2 << 30;
 /// Processes named at most, largest first.
 const NAMED: usize = 3;
 
-/// A process other than the Python kernel holding memory on its GPU.
+/// A process other than the Python kernel holding memory on its GPU. Its command line is left
+/// out: the report is saved with the notebook, and another user's command can hold paths or
+/// tokens (`%gpumem` shows it to whoever asks there).
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Holder {
     pub(super) pid: u32,
     pub(super) bytes: u64,
     pub(super) user: Option<String>,
-    pub(super) command: Option<String>,
 }
 
 /// The GPU's memory as the Python kernel read it when the search began.
@@ -58,22 +59,29 @@ impl Budget {
 }
 
 /// The processes other than `own_pid` that NVML shows on the GPU with `uuid` (torch gives it
-/// without NVML's `GPU-` prefix), largest first. Empty where NVML shows none (no driver
-/// access, or a container whose processes NVML lists by the host's pids).
+/// without NVML's `GPU-` prefix), largest first. Empty where NVML does not list the kernel
+/// itself there: in a container NVML gives the host's pids, which name other processes (or
+/// none) in this one's `/proc`, and the kernel, holding a CUDA context, would be listed as
+/// another.
 pub(super) fn holders(snapshot: &GpuSnapshot, uuid: &str, own_pid: u32) -> Vec<Holder> {
     let uuid = uuid.trim_start_matches("GPU-");
-    let mut found: Vec<Holder> = snapshot
+    let processes: Vec<_> = snapshot
         .gpus
         .iter()
         .filter(|g| g.uuid.trim_start_matches("GPU-") == uuid)
         .flat_map(|g| g.processes.iter())
+        .collect();
+    if !processes.iter().any(|p| p.pid == own_pid) {
+        return Vec::new();
+    }
+    let mut found: Vec<Holder> = processes
+        .into_iter()
         .filter(|p| p.pid != own_pid)
         .filter_map(|p| {
             Some(Holder {
                 pid: p.pid,
                 bytes: p.used_memory.filter(|&b| b > 0)?,
                 user: p.details.user.clone(),
-                command: p.details.command.clone(),
             })
         })
         .collect();
@@ -114,29 +122,9 @@ pub(super) fn note(budget: &Budget, limit: u64, holders: &[Holder]) -> Option<St
 }
 
 fn holder_text(h: &Holder) -> String {
-    let mut text = format!("pid {}", h.pid);
-    if let Some(user) = &h.user {
-        text.push_str(&format!(" ({user})"));
-    }
-    // A `python -c` script's lines become one line of spaces.
-    let command = h
-        .command
-        .as_deref()
-        .map(|c| c.split_whitespace().collect::<Vec<_>>());
-    if let Some(words) = command.filter(|w| !w.is_empty()) {
-        text.push_str(&format!(" `{}`", shortened(&words.join(" "), 40)));
-    }
-    text.push_str(&format!(" {}", human_bytes(h.bytes)));
-    text
-}
-
-/// At most `chars` characters, an ellipsis marking a cut.
-fn shortened(text: &str, chars: usize) -> String {
-    if text.chars().count() <= chars {
-        text.to_string()
-    } else {
-        let cut: String = text.chars().take(chars.saturating_sub(1)).collect();
-        format!("{cut}…")
+    match &h.user {
+        Some(user) => format!("pid {} ({user}) {}", h.pid, human_bytes(h.bytes)),
+        None => format!("pid {} {}", h.pid, human_bytes(h.bytes)),
     }
 }
 
@@ -162,7 +150,6 @@ mod tests {
             pid,
             bytes: gib * GIB,
             user: Some("bob".into()),
-            command: Some("python3 train.py --config configs/very/long/path/run.yaml".into()),
         }
     }
 
@@ -176,23 +163,13 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains(
-                "pid 4242 (bob) `python3 train.py --config configs/very/…` 70.0 GiB; pid 77"
-            ),
+            text.contains("(other processes: pid 4242 (bob) 70.0 GiB; pid 77 (bob) 3.00 GiB):"),
             "{text}"
         );
         assert!(
             text.contains("the limit (6.20 GiB) is what that left"),
             "{text}"
         );
-        // A `python -c` script's command line on one line.
-        let script = Holder {
-            command: Some("python3 -c \nimport torch\nx = 1".into()),
-            ..holder(5, 9)
-        };
-        assert!(note(&b, 6 * GIB, &[script])
-            .unwrap()
-            .contains("`python3 -c import torch x = 1` 9.00 GiB"));
         // Without NVML's processes the bytes are still said.
         let text = note(&b, 6 * GIB, &[]).unwrap();
         assert!(
@@ -259,5 +236,7 @@ mod tests {
             .map(|h| (h.pid, h.bytes / GIB))
             .collect();
         assert_eq!(pids, vec![(11, 9), (10, 1)]);
+        // A kernel NVML does not list by its pid (a container: the host's pids) names none.
+        assert_eq!(holders(&snapshot, "aaaa", 99), vec![]);
     }
 }

@@ -534,6 +534,8 @@ fn search_on_gpu(
         ),
     );
     let held_before = memory.allocated.unwrap_or(0);
+    // Read as the search begins, with the memory figures it starts from.
+    let outside = outside_note(python.pid(), &memory, limit);
     let searched = search_and_confirm(session, &live, args, &config, held_before, trial_limit)?;
     let mut findings = Findings {
         model: spec.target.clone(),
@@ -570,9 +572,7 @@ fn search_on_gpu(
     findings
         .notes
         .extend(output_note(args, prepared, &findings.search));
-    findings
-        .notes
-        .extend(outside_note(python.pid(), &memory, limit));
+    findings.notes.extend(outside);
     if args.throughput {
         findings.throughput = Some(throughput(session, &live, &findings, trial_limit)?);
     }
@@ -738,8 +738,9 @@ fn search_and_confirm(
         })
         .collect();
     let room = room_for_a_stranded_block(&fitted, limit);
+    // A step whose memory did not grow with the batch had none sized: nothing to confirm.
     let confirmation = match (args.no_confirm, args.search, result.max_fit) {
-        (false, SearchKind::Fit, Some(max)) => {
+        (false, SearchKind::Fit, Some(max)) if result.flat_memory().is_none() => {
             let first = stranded::recommend(max, args.margin / 100.0, room);
             let ran: Vec<Record> = fitted.iter().map(|&(r, _)| r).collect();
             Some(confirm(
@@ -1508,6 +1509,34 @@ mod tests {
             line.ends_with("reserved and 256 MiB of page-locked host memory"),
             "{line}"
         );
+    }
+
+    #[test]
+    fn memory_outside_the_kernel_is_noted_from_the_figures_the_search_began_with() {
+        const GIB: u64 = 1 << 30;
+        let memory = |free: Option<u64>| Memory {
+            device: "cuda:0".into(),
+            name: None,
+            // No GPU has this uuid: NVML, where there is one, names no process.
+            uuid: Some("GPU-no-such-card".into()),
+            total: Some(80 * GIB),
+            free,
+            fraction: Some(1.0),
+            limit: free,
+            allocated: Some(GIB / 4),
+            reserved: Some(GIB / 2),
+            pinned: None,
+        };
+        // 6 GiB free of 80: the rest is someone else's.
+        let note = outside_note(1, &memory(Some(6 * GIB)), 6 * GIB).expect("a note");
+        assert!(
+            note.starts_with("73.5 GiB of this GPU's 80.0 GiB"),
+            "{note}"
+        );
+        assert!(note.contains("began: the limit (6.00 GiB)"), "{note}");
+        // The card to itself, or a torch that did not say what is free: nothing.
+        assert_eq!(outside_note(1, &memory(Some(79 * GIB)), 79 * GIB), None);
+        assert_eq!(outside_note(1, &memory(None), 6 * GIB), None);
     }
 
     #[test]

@@ -264,6 +264,9 @@ pub(super) struct Confirmation {
 
 impl Findings {
     pub(super) fn recommended(&self) -> Option<u64> {
+        if self.search.flat_memory().is_some() {
+            return None; // the trials sized no batch
+        }
         match &self.confirmation {
             Some(c) => c.batch,
             None => self
@@ -328,9 +331,7 @@ enum RoomSays {
 pub(super) fn summary(f: &Findings) -> Bundle {
     let search = &f.search;
     let mut text = headline(f);
-    if search.min_fail.is_none() {
-        text.push_str(&flat_memory_line(search).unwrap_or_default());
-    }
+    text.push_str(&flat_memory_line(search).unwrap_or_default());
     if let Some((says, room)) = f.room_says() {
         text.push_str(&match says {
             RoomSays::HoldsTheRecommendation => room_line(&room),
@@ -338,7 +339,12 @@ pub(super) fn summary(f: &Findings) -> Bundle {
             RoomSays::OutOfReach => room_out_of_reach_line(&room),
         });
     }
-    if let Some(c) = &f.confirmation {
+    // A step whose memory did not grow had no batch sized, so none confirmed either.
+    if let Some(c) = f
+        .confirmation
+        .as_ref()
+        .filter(|_| search.flat_memory().is_none())
+    {
         text.push_str(&confirmation_line(c, search.max_fit));
     }
     if let Some(t) = &f.throughput {
@@ -390,70 +396,69 @@ pub(super) fn summary(f: &Findings) -> Bundle {
     data
 }
 
-/// Where the step's peak hardly grew from the smallest trial that ran to the largest (by at
-/// least 4 times the batch): a step that makes its batch at a size of its own is sized at that
-/// size, whatever the search asks (a `--step FN` that ignores its argument).
+/// Where the step's peak hardly grew with the batch (`SearchResult::flat_memory`): the trials
+/// did not size a batch, so nothing is recommended.
 fn flat_memory_line(search: &SearchResult) -> Option<String> {
-    let ran = search.trials.iter().filter_map(|t| match t.outcome {
-        Outcome::Ran { peak, .. } => Some((t.batch, peak)),
-        Outcome::OutOfMemory => None,
-    });
-    let (small, large) = (ran.clone().min()?, ran.max()?);
-    let grew = large.1.saturating_sub(small.1) as f64;
-    (large.0 >= 4 * small.0 && grew <= FLAT_GROWTH * small.1 as f64).then(|| {
-        format!(
-            "  its peak hardly grew with the batch: {} at batch {}, {} at batch {}. Does the \
-             step make its batch from the size it is given? A --step FN that ignores its \
-             argument (a batch drawn at a size of its own, a DataLoader made once) is sized \
-             at that size, not at these\n",
-            human_bytes(small.1),
-            small.0,
-            human_bytes(large.1),
-            large.0
-        )
-    })
+    let (small, large) = search.flat_memory()?;
+    Some(format!(
+        "  its peak hardly grew with the batch: {} at batch {}, {} at batch {}, so these \
+         trials sized no batch. Does the step make its batch from the size it is given? A \
+         --step FN that ignores its argument (a batch drawn at a size of its own, a \
+         DataLoader made once) trains at its own size whatever is asked\n",
+        human_bytes(small.1),
+        small.0,
+        human_bytes(large.1),
+        large.0
+    ))
 }
-
-/// Growth of the peak, as a fraction of the smallest trial's, below which a step's memory is
-/// taken not to depend on the batch (a batch's own bytes are seldom under 1% of the weights,
-/// gradients and optimizer state at 4 times the batch).
-const FLAT_GROWTH: f64 = 0.01;
 
 /// The answer's first line: the maximum, how exact it is, and the recommendation.
 fn headline(f: &Findings) -> String {
     let search = &f.search;
-    let recommended = f.recommended();
-    let accuracy = if search.exact {
-        String::new()
-    } else if search.settled {
-        " (within 1.5%: --exact for the last sample)".to_string()
-    } else {
-        " (not confirmed: trial budget reached)".to_string()
-    };
-    match (search.max_fit, recommended) {
-        (Some(max), Some(rec)) if search.capped => format!(
-            "%maxbatch {}: every batch tried fits, up to {max} (--max, the largest this search \
-             tries: raise it to search further); recommended: {rec} ({}% margin)\n",
-            f.model, f.margin_percent,
-        ),
-        (Some(max), Some(rec)) => format!(
-            "%maxbatch {}: largest batch that fits: {max}{accuracy}; recommended: {rec} ({}% margin{}{})\n",
-            f.model,
-            f.margin_percent,
-            if f.room_held() { " and room for a stranded block" } else { "" },
-            if rec % 8 == 0 && rec >= 16 { ", multiple of 8" } else { "" },
-        ),
-        (Some(max), None) => format!(
-            "%maxbatch {}: largest batch that fits: {max}{accuracy}; no recommendation: the \
-             batches below it that were run did not fit (see below)\n",
-            f.model,
-        ),
-        _ => format!(
+    let Some(max) = search.max_fit else {
+        return format!(
             "%maxbatch {}: not even a batch of 1 fits in {}.\n",
             f.model,
             human_bytes(f.limit)
+        );
+    };
+    let found = if search.capped {
+        format!(
+            "every batch tried fits, up to {max} (--max, the largest this search tries: raise \
+             it to search further)"
+        )
+    } else if search.exact {
+        format!("largest batch that fits: {max}")
+    } else if search.settled {
+        format!("largest batch that fits: {max} (within 1.5%: --exact for the last sample)")
+    } else {
+        format!("largest batch that fits: {max} (not confirmed: trial budget reached)")
+    };
+    let recommendation = match f.recommended() {
+        Some(rec) => format!(
+            "recommended: {rec} ({}% {}{}{})",
+            f.margin_percent,
+            if search.capped {
+                "below the cap"
+            } else {
+                "margin"
+            },
+            if f.room_held() {
+                " and room for a stranded block"
+            } else {
+                ""
+            },
+            if rec % 8 == 0 && rec >= 16 {
+                ", multiple of 8"
+            } else {
+                ""
+            },
         ),
-    }
+        None if search.flat_memory().is_some() => "no recommendation (see below)".to_string(),
+        None => "no recommendation: the batches below it that were run did not fit (see below)"
+            .to_string(),
+    };
+    format!("%maxbatch {}: {found}; {recommendation}\n", f.model)
 }
 
 /// Why the recommendation sits lower than the margin alone would put it.
@@ -987,42 +992,69 @@ mod tests {
                 fits: true,
             })
             .collect();
-        (f.search.max_fit, f.search.min_fail, f.search.capped) = (Some(65536), None, true);
+        (f.search.max_fit, f.search.min_fail) = (Some(65536), None);
+        (f.search.capped, f.search.exact, f.search.settled) = (true, false, false);
         f
     }
 
     #[test]
     fn every_batch_fitting_up_to_the_cap_is_not_called_the_largest_that_fits() {
-        // A step whose memory grows: the cap is named, nothing more.
+        let text = |f: &Findings| summary(f)["text/plain"].as_str().unwrap().to_string();
+        // A step whose memory grows: the cap is named, the margin below it.
         let data = summary(&capped(|b| 2_000_000_000 + b * 100_000));
-        let text = data["text/plain"].as_str().unwrap();
-        assert!(!text.contains("largest batch that fits"), "{text}");
+        let shown = data["text/plain"].as_str().unwrap();
+        assert!(!shown.contains("largest batch that fits"), "{shown}");
         assert!(
-            text.contains("every batch tried fits, up to 65536 (--max"),
-            "{text}"
+            shown.contains(
+                "every batch tried fits, up to 65536 (--max, the largest this search tries: \
+                 raise it to search further); recommended: 62256 (5% below the cap, multiple \
+                 of 8)"
+            ),
+            "{shown}"
         );
-        assert!(text.contains("recommended: 62256"), "{text}");
-        assert!(!text.contains("hardly grew"), "{text}");
+        assert!(!shown.contains("hardly grew"), "{shown}");
         assert_eq!(data["application/json"]["capped"], true);
-        // A step that makes its batch at a size of its own: its memory stays put.
-        let text = summary(&capped(|b| 2_000_000_000 + b % 7 * 1000))["text/plain"]
-            .as_str()
-            .unwrap()
-            .to_string();
+        assert_eq!(data["application/json"]["recommended"], 62256);
+        // A step that makes its batch at a size of its own: its memory stays put, and no
+        // batch is recommended, even one a confirming trial ran.
+        let mut flat = capped(|b| 2_000_000_000 + b % 7 * 1000);
+        flat.confirmation = Some(confirmation(Some(62256), vec![], 50.0, false));
+        let data = summary(&flat);
+        let shown = data["text/plain"].as_str().unwrap();
         assert!(
-            text.contains("its peak hardly grew with the batch: 1.86 GiB at batch 4"),
-            "{text}"
+            shown.contains(
+                "up to 65536 (--max, the largest this search tries: raise it to \
+                            search further); no recommendation (see below)"
+            ),
+            "{shown}"
         );
         assert!(
-            text.contains("--step FN that ignores its argument"),
-            "{text}"
+            shown.contains("its peak hardly grew with the batch: 1.86 GiB at batch 4"),
+            "{shown}"
         );
-        // A search that found its maximum says it as before.
-        let text = summary(&findings())["text/plain"]
-            .as_str()
-            .unwrap()
-            .to_string();
-        assert!(!text.contains("every batch tried") && !text.contains("hardly grew"));
+        assert!(
+            shown.contains("--step FN that ignores its argument"),
+            "{shown}"
+        );
+        assert!(data["application/json"]["recommended"].is_null());
+        // The same step where the trial budget ran out before the cap: still no batch sized.
+        flat.search.capped = false;
+        let shown = text(&flat);
+        assert!(
+            shown.contains(
+                "65536 (not confirmed: trial budget reached); no recommendation (see below)"
+            ),
+            "{shown}"
+        );
+        // A search that found its maximum, and one short of it whose memory grew: neither
+        // names a cap nor asks about the step.
+        let mut short = capped(|b| 2_000_000_000 + b * 100_000);
+        short.search.capped = false;
+        for f in [findings(), short] {
+            let shown = text(&f);
+            assert!(!shown.contains("every batch tried") && !shown.contains("hardly grew"));
+            assert!(shown.contains("recommended: "), "{shown}");
+        }
     }
 
     #[test]
