@@ -3,7 +3,7 @@
 A new user's `--step FN` can ignore its argument: the batch comes from a DataLoader made once,
 or at a size written into the step. Every trial then needs the same memory, the search doubles
 up to `--max` (65536) and every batch fits. The report must not call that the largest batch
-that fits, and must ask whether the step uses its argument. A step that does grow, capped by a
+that fits, must recommend none, and must ask whether the step uses its argument. A step that does grow, capped by a
 small `--max`, is told the cap without that question. Runs maxbatch_truth.py's notebook in a
 real gpu-python kernel (real jupyter_client):
 
@@ -72,6 +72,8 @@ def main() -> int:
                 "headline": ("every batch tried fits" in text) is capped
                 and ("largest batch that fits" in text) is not capped,
                 "flat_line": ("hardly grew" in text) is flat,
+                # A step whose memory did not grow had no batch sized: none is recommended.
+                "recommended": (value.get("recommended") is None) is flat,
             }
             got["checks"] = checks
             ok &= all(checks.values())
