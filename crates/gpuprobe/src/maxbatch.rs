@@ -18,8 +18,8 @@ use crate::allocator;
 use crate::loss::{self, LossInputs, LossPlan};
 use crate::output::{NoLossTensor, Output};
 use crate::plugin_api::{
-    MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision, StepsReport,
-    ThroughputPoint, BUILTIN_MODELS,
+    FreeAtStart, MaxBatchReport, MaxBatchRequest, ModelSource, OptimizerKind, Precision,
+    StepsReport, ThroughputPoint, BUILTIN_MODELS,
 };
 use crate::search::{self, Outcome, SearchConfig, Stop};
 use crate::stranded;
@@ -597,6 +597,8 @@ struct Budget {
     bytes: u64,
     context: Option<u64>,
     capped: bool,
+    /// Where free memory set the budget: what was free and what this process's cache held.
+    from_free: Option<FreeAtStart>,
 }
 
 impl Budget {
@@ -613,6 +615,10 @@ impl Budget {
                     bytes: available,
                     context: None,
                     capped: false,
+                    from_free: Some(FreeAtStart {
+                        free: stats.free,
+                        reserved,
+                    }),
                 });
             };
             return Self::capped(device, budget, None, stats.total);
@@ -648,6 +654,7 @@ impl Budget {
             bytes,
             context,
             capped: true,
+            from_free: None,
         })
     }
 }
@@ -902,7 +909,7 @@ pub fn run(
     } else {
         search::search(&config, probe)
     };
-    let context_bytes = budget.context;
+    let (context_bytes, free_at_start) = (budget.context, budget.from_free);
     drop(budget);
     let _ = allocator::empty_cache();
     let after = allocator::device_stats(device)?;
@@ -920,6 +927,7 @@ pub fn run(
         trial_blocks: trials.blocks,
         elapsed_ms: started.elapsed().as_secs_f64() * 1000.0,
         device_total: baseline.total,
+        free_at_start,
     })
 }
 

@@ -228,6 +228,18 @@ pub struct MaxBatchReport {
     pub trial_blocks: Vec<(u64, u64)>,
     pub elapsed_ms: f64,
     pub device_total: u64,
+    /// Where free memory set the limit (no `--limit`, no notebook budget below it): what was
+    /// free and what this process's cache held then. Memory in use outside this process
+    /// (another user's training on a shared card) is what the rest of the card holds.
+    #[serde(default)]
+    pub free_at_start: Option<FreeAtStart>,
+}
+
+/// The device's free memory, and what this process's caching allocator held, at a moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreeAtStart {
+    pub free: u64,
+    pub reserved: u64,
 }
 
 /// One figure of the allocator, as c10 keeps it.

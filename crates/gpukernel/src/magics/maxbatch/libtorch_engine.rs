@@ -5,7 +5,7 @@
 
 use super::export::{self, ExportedModule};
 use super::report::{self, Assumptions, Card, EngineKind, Findings, Line, Live, Throughput};
-use super::{Amp, Args, Dtype, Optimizer, SearchKind, Target, MAX_TRIALS, TOLERANCE};
+use super::{outside, Amp, Args, Dtype, Optimizer, SearchKind, Target, MAX_TRIALS, TOLERANCE};
 use crate::magics::{MagicContext, MagicError, Output};
 use crate::torch_plugin::{self, PluginError};
 use gpuprobe::plugin_api::{
@@ -237,6 +237,8 @@ fn search(
         ctx.out,
         format!("%maxbatch {name}: trying batch sizes (libtorch, in gpukernel)"),
     );
+    // Who holds the card as the search begins, for the note on memory outside gpukernel.
+    let gpus = outside::snapshot();
     let reply = call_live(&Request::MaxBatch(request.clone()), &live, ctx)?;
     let report: MaxBatchReport = serde_json::from_value(reply)
         .map_err(|e| MagicError::new("MaxBatchError", format!("unreadable report: {e}")))?;
@@ -248,6 +250,13 @@ fn search(
         None => {}
     }
     let mut findings = findings(args, &name, &request, &report, exported);
+    let python_pid = ctx.python.map(|p| p.pid());
+    findings.notes.extend(outside_note(
+        &report,
+        gpus.as_ref()
+            .and_then(|g| outside::gpu_by_ordinal(g, request.device)),
+        python_pid,
+    ));
     if let (true, Some(recommended)) = (args.throughput, findings.recommended()) {
         let points = call_live(
             &Request::Throughput {
@@ -391,6 +400,26 @@ fn findings(
         room: room_for_a_stranded_block(report, exported.map(|e| &e.module)),
         timings: None,
     }
+}
+
+/// The note on memory in use outside gpukernel's allocator where free memory set the limit
+/// (another user's training, or the notebook's own kernel), naming who held it on `gpu`.
+fn outside_note(
+    report: &MaxBatchReport,
+    gpu: Option<&gpuprobe::GpuInfo>,
+    python_pid: Option<u32>,
+) -> Option<String> {
+    let start = report.free_at_start?;
+    let budget = outside::Budget {
+        total: report.device_total,
+        free: start.free,
+        reserved: start.reserved,
+        fraction: 1.0,
+    };
+    let holders = gpu.map_or_else(Vec::new, |gpu| {
+        outside::holders(gpu, std::process::id(), python_pid)
+    });
+    outside::note(&budget, report.limit, &holders, "gpukernel's allocator")
 }
 
 /// The room the recommendation leaves for one more of the step's largest blocks, as the
@@ -545,6 +574,35 @@ mod tests {
         assert_eq!(request.vocab, Some(32000));
         // A built-in or a file has no kernel to answer for.
         assert_eq!(request_for(&args, model, None).allocator_budget, None);
+    }
+
+    #[test]
+    fn memory_outside_gpukernel_is_noted_where_free_memory_set_the_limit() {
+        let gib = 1u64 << 30;
+        let mut shared = report(vec![]);
+        (shared.device_total, shared.limit) = (80 * gib, 12 * gib);
+        // Another user's training held 67 GiB: 11 GiB free beside gpukernel's 1.
+        shared.free_at_start = Some(gpuprobe::plugin_api::FreeAtStart {
+            free: 11 * gib,
+            reserved: gib,
+        });
+        let note = outside_note(&shared, None, None).expect("a note");
+        assert!(
+            note.starts_with(
+                "68.0 GiB of this GPU's 80.0 GiB was in use outside gpukernel's \
+                              allocator when the search began: the limit (12.0 GiB)"
+            ),
+            "{note}"
+        );
+        // `--limit` or a notebook's budget set the limit (the plugin sends no free figure),
+        // or the card was gpukernel's alone: nothing.
+        shared.free_at_start = None;
+        assert_eq!(outside_note(&shared, None, None), None);
+        shared.free_at_start = Some(gpuprobe::plugin_api::FreeAtStart {
+            free: 79 * gib,
+            reserved: 0,
+        });
+        assert_eq!(outside_note(&shared, None, None), None);
     }
 
     #[test]

@@ -996,12 +996,13 @@ fn outside_note(pid: u32, memory: &Memory, limit: u64) -> Option<String> {
     if !budget.worth_a_note() {
         return None;
     }
-    let snapshot = gpuprobe::Nvml::open().and_then(|nvml| nvml.snapshot());
-    let holders = match (memory.uuid.as_deref(), snapshot) {
-        (Some(uuid), Ok(snapshot)) => outside::holders(&snapshot, uuid, pid),
-        _ => Vec::new(),
-    };
-    outside::note(&budget, limit, &holders)
+    let snapshot = outside::snapshot();
+    let gpu = snapshot
+        .as_ref()
+        .zip(memory.uuid.as_deref())
+        .and_then(|(snapshot, uuid)| outside::gpu_by_uuid(snapshot, uuid));
+    let holders = gpu.map_or_else(Vec::new, |gpu| outside::holders(gpu, pid, None));
+    outside::note(&budget, limit, &holders, "your Python kernel's allocator")
 }
 
 /// The Python kernel's CUDA context on its device: NVML's figure for the process less what
