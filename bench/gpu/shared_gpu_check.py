@@ -9,7 +9,9 @@ real gpu-python kernel (real jupyter_client) running maxbatch_truth.py's noteboo
 1. a separate process takes all but LEAVE_GIB (default 20) of the GPU's free memory and sleeps;
 2. `%maxbatch --step gpt_step`: its limit is what that process left, and a note names the
    process (pid, command, bytes);
-3. that process is killed; `%maxbatch --step gpt_step` again: the limit is the notebook's cap,
+3. `%maxbatch resnet18` (a built-in: the libtorch engine, in gpukernel's own process): the
+   same note about gpukernel's allocator, naming that process (and the notebook's kernel);
+4. that process is killed; `%maxbatch --step gpt_step` again: the limit is the notebook's cap,
    no such note, and a larger maximum.
 
     OUT=/tmp/x CAP_GIB=76 python3 bench/gpu/shared_gpu_check.py
@@ -41,14 +43,14 @@ time.sleep(900)
 """
 
 
-def search(nb):
-    outputs, err = nb.run("%maxbatch --step gpt_step --json")
+def search(nb, args="--step gpt_step"):
+    outputs, err = nb.run(f"%maxbatch {args} --json")
     if err is not None:
         return {"error": f"{err['ename']}: {err['evalue']}"}
     data = [o for o in outputs if o["msg_type"] == "execute_result"][-1]["content"]["data"]
     value = data["application/json"]
     notes = value.get("notes") or []
-    outside = [n for n in notes if "in use outside your Python kernel" in n]
+    outside = [n for n in notes if "was in use outside" in n]
     return {"max_batch": value.get("max_batch"), "recommended": value.get("recommended"),
             "limit_bytes": value.get("limit_bytes"), "outside_note": outside[0] if outside else None,
             "text": data["text/plain"]}
@@ -72,6 +74,8 @@ def main() -> int:
             found["gpu"] = nb.value("torch.cuda.get_device_name()")
             found["shared"] = shared = search(nb)
             print(json.dumps(shared, indent=1), flush=True)
+            found["libtorch"] = libtorch = search(nb, "resnet18 --input 3x224x224")
+            print(json.dumps(libtorch, indent=1), flush=True)
             holder.kill()
             holder.wait(timeout=60)
             found["alone"] = alone = search(nb)
@@ -82,6 +86,8 @@ def main() -> int:
     note = shared.get("outside_note") or ""
     found["checks"] = checks = {
         "shared_note_names_the_holder": f"pid {found['holder_pid']}" in note,
+        "libtorch_note_names_the_holder": f"pid {found['holder_pid']}"
+        in (libtorch.get("outside_note") or ""),
         "shared_limit_is_what_was_left": (shared.get("limit_bytes") or 1 << 62)
         < (LEAVE_GIB + 1) * 2**30,
         "alone_no_note": alone.get("outside_note") is None and "error" not in alone,
