@@ -88,6 +88,8 @@ def main() -> int:
         "shared_note_names_the_holder": f"pid {found['holder_pid']}" in note,
         "libtorch_note_names_the_holder": f"pid {found['holder_pid']}"
         in (libtorch.get("outside_note") or ""),
+        "libtorch_limit_is_what_was_left": (libtorch.get("limit_bytes") or 1 << 62)
+        < (LEAVE_GIB + 1) * 2**30,
         "shared_limit_is_what_was_left": (shared.get("limit_bytes") or 1 << 62)
         < (LEAVE_GIB + 1) * 2**30,
         "alone_no_note": alone.get("outside_note") is None and "error" not in alone,

@@ -250,13 +250,15 @@ fn search(
         None => {}
     }
     let mut findings = findings(args, &name, &request, &report, exported);
-    let python_pid = ctx.python.map(|p| p.pid());
-    findings.notes.extend(outside_note(
-        &report,
-        gpus.as_ref()
-            .and_then(|g| outside::gpu_by_ordinal(g, request.device)),
-        python_pid,
-    ));
+    if exported.is_none() {
+        // (A notebook module's kernel holds its weights, which unseen_memory_note counts.)
+        findings.notes.extend(outside_note(
+            &report,
+            gpus.as_ref(),
+            request.device,
+            ctx.python.map(|p| p.pid()),
+        ));
+    }
     if let (true, Some(recommended)) = (args.throughput, findings.recommended()) {
         let points = call_live(
             &Request::Throughput {
@@ -403,10 +405,12 @@ fn findings(
 }
 
 /// The note on memory in use outside gpukernel's allocator where free memory set the limit
-/// (another user's training, or the notebook's own kernel), naming who held it on `gpu`.
+/// (another user's training, or the notebook's own kernel), naming who held it on the
+/// device as the search began (`at_start`, NVML's reading then).
 fn outside_note(
     report: &MaxBatchReport,
-    gpu: Option<&gpuprobe::GpuInfo>,
+    at_start: Option<&gpuprobe::GpuSnapshot>,
+    device: usize,
     python_pid: Option<u32>,
 ) -> Option<String> {
     let start = report.free_at_start?;
@@ -416,9 +420,23 @@ fn outside_note(
         reserved: start.reserved,
         fraction: 1.0,
     };
-    let holders = gpu.map_or_else(Vec::new, |gpu| {
-        outside::holders(gpu, std::process::id(), python_pid)
-    });
+    if !budget.worth_a_note() {
+        return None;
+    }
+    // gpukernel made its CUDA context in the search: read again to find it listed.
+    let now = at_start.and_then(|_| outside::snapshot());
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let visible = visible.as_deref();
+    let holders = match (
+        at_start.and_then(|s| outside::gpu_by_ordinal(s, device, visible)),
+        now.as_ref()
+            .and_then(|s| outside::gpu_by_ordinal(s, device, visible)),
+    ) {
+        (Some(at_start), Some(now)) => {
+            outside::holders(at_start, now, std::process::id(), python_pid)
+        }
+        _ => Vec::new(),
+    };
     outside::note(&budget, report.limit, &holders, "gpukernel's allocator")
 }
 
@@ -586,7 +604,7 @@ mod tests {
             free: 11 * gib,
             reserved: gib,
         });
-        let note = outside_note(&shared, None, None).expect("a note");
+        let note = outside_note(&shared, None, 0, None).expect("a note");
         assert!(
             note.starts_with(
                 "68.0 GiB of this GPU's 80.0 GiB was in use outside gpukernel's \
@@ -597,12 +615,12 @@ mod tests {
         // `--limit` or a notebook's budget set the limit (the plugin sends no free figure),
         // or the card was gpukernel's alone: nothing.
         shared.free_at_start = None;
-        assert_eq!(outside_note(&shared, None, None), None);
+        assert_eq!(outside_note(&shared, None, 0, None), None);
         shared.free_at_start = Some(gpuprobe::plugin_api::FreeAtStart {
             free: 79 * gib,
             reserved: 0,
         });
-        assert_eq!(outside_note(&shared, None, None), None);
+        assert_eq!(outside_note(&shared, None, 0, None), None);
     }
 
     #[test]

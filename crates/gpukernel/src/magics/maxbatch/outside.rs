@@ -71,25 +71,35 @@ pub(super) fn gpu_by_uuid<'a>(snapshot: &'a GpuSnapshot, uuid: &str) -> Option<&
     visible::by_uuid(&snapshot.gpus, uuid)
 }
 
-/// The GPU this process sees as CUDA `ordinal` (the libtorch engine's device), through
-/// `CUDA_VISIBLE_DEVICES`.
-pub(super) fn gpu_by_ordinal(snapshot: &GpuSnapshot, ordinal: usize) -> Option<&GpuInfo> {
-    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let ordinals = visible::cuda_ordinals(visible.as_deref(), &snapshot.gpus);
+/// The GPU a process with `visible` as its `CUDA_VISIBLE_DEVICES` sees as CUDA `ordinal` (the
+/// libtorch engine's device, in gpukernel).
+#[cfg(feature = "torch")]
+pub(super) fn gpu_by_ordinal<'a>(
+    snapshot: &'a GpuSnapshot,
+    ordinal: usize,
+    visible: Option<&str>,
+) -> Option<&'a GpuInfo> {
+    let ordinals = visible::cuda_ordinals(visible, &snapshot.gpus);
     let position = ordinals.iter().position(|&o| o == Some(ordinal))?;
     snapshot.gpus.get(position)
 }
 
-/// The processes on `gpu` other than `own_pid` (the process whose allocator was sized),
-/// largest first, `python_pid` marked as the notebook's kernel. Empty where NVML does not list
-/// `own_pid` there: in a container NVML gives the host's pids, which name other processes (or
-/// none) in this one's `/proc`, and the sized process, holding a CUDA context, would be listed
-/// as another.
-pub(super) fn holders(gpu: &GpuInfo, own_pid: u32, python_pid: Option<u32>) -> Vec<Holder> {
-    if !gpu.processes.iter().any(|p| p.pid == own_pid) {
+/// The processes that held memory on the GPU as the search began (`at_start`) other than
+/// `own_pid` (the process whose allocator was sized), largest first, `python_pid` marked as
+/// the notebook's kernel. Empty where NVML does not list `own_pid` in the later reading
+/// (`now`, when it holds a CUDA context): in a container NVML gives the host's pids, which
+/// name other processes (or none) in this one's `/proc`, and the sized process would be
+/// listed as another.
+pub(super) fn holders(
+    at_start: &GpuInfo,
+    now: &GpuInfo,
+    own_pid: u32,
+    python_pid: Option<u32>,
+) -> Vec<Holder> {
+    if !now.processes.iter().any(|p| p.pid == own_pid) {
         return Vec::new();
     }
-    let mut found: Vec<Holder> = gpu
+    let mut found: Vec<Holder> = at_start
         .processes
         .iter()
         .filter(|p| p.pid != own_pid)
@@ -275,7 +285,7 @@ mod tests {
             ],
         };
         let on = |gpu: &GpuInfo, own, python| -> Vec<(u32, u64, bool)> {
-            holders(gpu, own, python)
+            holders(gpu, gpu, own, python)
                 .iter()
                 .map(|h| (h.pid, h.bytes / GIB, h.your_kernel))
                 .collect()
@@ -288,5 +298,35 @@ mod tests {
         assert_eq!(on(first, 99, None), vec![]);
         let second = gpu_by_uuid(&snapshot, "GPU-bbbb").expect("NVML's spelling too");
         assert_eq!(on(second, 7, None), vec![(13, 50, false)]);
+        // gpukernel makes its CUDA context in the search: named from the reading before it,
+        // once the reading after it lists gpukernel.
+        let before = gpu(0, "GPU-aaaa", vec![(11, Some(9 * GIB))]);
+        let after = gpu(0, "GPU-aaaa", vec![(11, Some(9 * GIB)), (7, Some(GIB))]);
+        let named: Vec<u32> = holders(&before, &after, 7, None)
+            .iter()
+            .map(|h| h.pid)
+            .collect();
+        assert_eq!(named, vec![11]);
+        assert_eq!(holders(&before, &before, 7, None), vec![]);
+    }
+
+    #[cfg(feature = "torch")]
+    #[test]
+    fn the_libtorch_engines_gpu_is_found_by_its_cuda_ordinal() {
+        let snapshot = GpuSnapshot {
+            driver_version: "580".into(),
+            cuda_driver_version: None,
+            gpus: (0..3)
+                .map(|i| gpu(i, &format!("GPU-{i}{i}"), vec![]))
+                .collect(),
+        };
+        let uuid = |visible, ordinal| {
+            gpu_by_ordinal(&snapshot, ordinal, visible).map(|g: &GpuInfo| g.uuid.clone())
+        };
+        assert_eq!(uuid(None, 1).as_deref(), Some("GPU-11"));
+        // CUDA_VISIBLE_DEVICES=2,0: CUDA's 0 is NVML's 2.
+        assert_eq!(uuid(Some("2,0"), 0).as_deref(), Some("GPU-22"));
+        assert_eq!(uuid(Some("2,0"), 1).as_deref(), Some("GPU-00"));
+        assert_eq!(uuid(Some("2,0"), 2), None);
     }
 }

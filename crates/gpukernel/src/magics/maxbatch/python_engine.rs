@@ -1001,7 +1001,8 @@ fn outside_note(pid: u32, memory: &Memory, limit: u64) -> Option<String> {
         .as_ref()
         .zip(memory.uuid.as_deref())
         .and_then(|(snapshot, uuid)| outside::gpu_by_uuid(snapshot, uuid));
-    let holders = gpu.map_or_else(Vec::new, |gpu| outside::holders(gpu, pid, None));
+    // The kernel has its CUDA context already: one reading serves both.
+    let holders = gpu.map_or_else(Vec::new, |gpu| outside::holders(gpu, gpu, pid, None));
     outside::note(&budget, limit, &holders, "your Python kernel's allocator")
 }
 
