@@ -767,6 +767,10 @@ def test_a_trial_past_its_time_limit_is_interrupted_and_reported(notebook):
     ("%maxbatch regress --input 8 --loss ce", "cross-entropy needs class scores"),
     ("%maxbatch seg --input 3x8x8 --target-classes 7", "matches no dimension of the output"),
     ("%maxbatch lm --input 3x8 --optimizer-from opt", "check --input"),
+    # An image's shape as PIL and NumPy hold it: the shape PyTorch's convolution takes.
+    ("%maxbatch seg --input 8x8x3", "check --input (the shape of one sample): its first "
+                                    "convolution (conv) takes 3 channels first, so --input "
+                                    "3x8x8 for this sample, or if"),
     ("%maxbatch --step 'f()'", "is not a name"),
     ("%maxbatch --step n_layers", "n_layers is an int, not a function"),
     # Said before any trial runs, with the way to call it.

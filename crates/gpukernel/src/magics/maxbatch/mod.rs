@@ -199,10 +199,11 @@ pub(super) struct Args {
     /// Safety margin below the maximum for the recommendation, in percent. Under PyTorch's
     /// default allocator the recommendation also leaves room for one more of the step's
     /// largest allocations, which the cache can strand as it fragments (gpuprobe::stranded).
-    #[arg(long, value_name = "PCT", default_value_t = 5.0)]
+    #[arg(long, value_name = "PCT", default_value_t = 5.0, value_parser = parse_margin)]
     pub(super) margin: f64,
     /// Largest batch worth trying.
-    #[arg(long, value_name = "N", default_value_t = 65536)]
+    #[arg(long, value_name = "N", default_value_t = 65536,
+          value_parser = clap::value_parser!(u64).range(1..))]
     pub(super) max: u64,
     /// Search to the exact sample instead of within 1.5% (a few more trials near the limit).
     #[arg(long)]
@@ -300,6 +301,15 @@ fn parse_shape(text: &str) -> Result<Shape, String> {
         .collect::<Option<_>>()
         .ok_or_else(wrong)?;
     Ok(Shape(dims))
+}
+
+/// A margin in percent below the maximum: 0 (none) up to 90 (the recommendation keeps a
+/// tenth of the maximum at least).
+fn parse_margin(text: &str) -> Result<f64, String> {
+    match text.trim_end_matches('%').parse::<f64>() {
+        Ok(p) if (0.0..=90.0).contains(&p) => Ok(p),
+        _ => Err(format!("{text:?} is not a percentage from 0 to 90")),
+    }
 }
 
 fn parse_seconds(text: &str) -> Result<f64, String> {
@@ -543,6 +553,23 @@ mod tests {
             parse_shape("torch.Size([3, 224, 224])"),
             Ok(Shape(vec![3, 224, 224]))
         );
+    }
+
+    #[test]
+    fn a_margin_or_a_largest_batch_that_cannot_be_is_refused() {
+        let parse = |words: &[&str]| {
+            Args::try_parse_from(std::iter::once("%maxbatch").chain(words.iter().copied()))
+        };
+        assert_eq!(args(&["m", "--margin", "10"]).margin, 10.0);
+        assert_eq!(args(&["m", "--margin", "0"]).margin, 0.0);
+        assert_eq!(args(&["m", "--margin", "7.5%"]).margin, 7.5);
+        for bad in ["--margin=150", "--margin=-5", "--margin=five"] {
+            let err = parse(&["m", bad]).expect_err(bad).to_string();
+            assert!(err.contains("is not a percentage from 0 to 90"), "{err}");
+        }
+        assert_eq!(args(&["m", "--max", "1"]).max, 1);
+        let err = parse(&["m", "--max", "0"]).expect_err("0").to_string();
+        assert!(err.contains("--max <N>"), "{err}");
     }
 
     #[test]

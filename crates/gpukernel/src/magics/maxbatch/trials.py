@@ -1721,8 +1721,25 @@ class ModuleStep:
         elif len(self.input) == 1:  # a sequence's length: maybe token ids
             check = "--input (the shape of one sample; --vocab N for token ids)"
         else:
-            check = "--input (the shape of one sample)"
+            check = "--input (the shape of one sample)" + self._channels_first_hint()
         return _ForwardFailed(failure, head, check)
+
+    def _channels_first_hint(self):
+        """Where --input reads as channels-last (an image as PIL and NumPy hold it, 224x224x3)
+        and the model's first convolution takes as many channels as its last dimension: the
+        shape channels-first, as PyTorch's convolutions take it."""
+        conv = next((m for m in self.model.modules()
+                     if isinstance(m, self.torch.nn.modules.conv._ConvNd)), None)
+        shape = list(self.input)
+        if conv is None or len(shape) != conv.weight.dim() - 1:
+            return ""
+        channels = conv.in_channels
+        if shape[0] == channels or shape[-1] != channels:
+            return ""
+        moved = "x".join(map(str, [channels, *shape[:-1]]))
+        where = next((n for n, m in self.model.named_modules() if m is conv), "")
+        return (f": its first convolution ({where or type(conv).__name__}) takes {channels} "
+                f"channels first, so --input {moved} for this sample")
 
     def _inputs_named_in(self, failure):
         """The forward's optional arguments, other than the one fed, that its failure names:
