@@ -49,6 +49,11 @@ TIMING = os.environ.get("TIMING") == "1"
 # LIBTORCH_ONLY=1: the libtorch engine's search alone on each row's module (no python engine,
 # no truth): its trials and their phase peaks.
 LIBTORCH_ONLY = os.environ.get("LIBTORCH_ONLY") == "1"
+# DEADLINE_S: seconds after the notebook started past which no new row begins (the rows not
+# started are listed in the JSON), so that a run ends inside the device's call limit: a call
+# stopped at its limit can leave its kernel holding the card for the next call.
+DEADLINE_S = float(os.environ.get("DEADLINE_S", "0"))
+
 # LEAN=1: ours, the in-harness baseline, the truth and the 30 steps, without the Lightning
 # procedure (a fresh kernel per row) and the libtorch rows: what fits the device's minutes
 # where every step is long (CAP_GIB near the whole card).
@@ -1061,7 +1066,13 @@ def main() -> int:
                 # Every row after would be sized against the cut trial's leftovers.
                 log(f"   interrupt left memory behind: {results['interrupt']}")
                 return 1
+        began = time.time()
         for name in wanted:
+            if DEADLINE_S and time.time() - began > DEADLINE_S:
+                log(f"== {name}: not started, past DEADLINE_S={DEADLINE_S:.0f} s")
+                results.setdefault("not_started", []).append(name)
+                save()
+                continue
             setup, args, libtorch = ROWS[name]
             log(f"== {name}")
             nb.ok(setup)
@@ -1075,7 +1086,12 @@ def main() -> int:
                 save()
                 nb.run(f"drop({key!r})")
                 continue
-            row = {"model": name, "engine": "python", "args": args}
+            # What the notebook's allocator could reach as the row began (free plus its own
+            # cache): another process holding the card (a kernel a stopped call left running)
+            # sizes ours against less than the cap (-07x).
+            row = {"model": name, "engine": "python", "args": args,
+                   "available_before": nb.value(
+                       "torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()")}
             if name in FIRST_TRY:
                 row["first_try"] = {"args": FIRST_TRY[name], **nb.magic(FIRST_TRY[name])}
                 log(f"   first try {row['first_try']}")

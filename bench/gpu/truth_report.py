@@ -53,6 +53,15 @@ def header(d):
              " No Lightning procedure in this run (LEAN=1).") + "\n")
     if "interrupt" in d:
         print(f"Interrupt in the middle of a search: {json.dumps(d['interrupt'])}\n")
+    short = [f"{r['model']} ({r['available_before'] / 2**30:.1f} GiB)" for r in d["rows"]
+             if r.get("available_before") is not None
+             and r["available_before"] < d["cap_gib"] * 2**30]
+    if short:
+        print(f"**Not comparable:** the notebook's allocator could reach less than the "
+              f"{d['cap_gib']:g} GiB cap as these rows began (free memory plus its own cache: "
+              f"another process held the card): {', '.join(short)}\n")
+    if d.get("not_started"):
+        print(f"Not started (past DEADLINE_S): {', '.join(d['not_started'])}\n")
 
 
 def lp_text(d):
