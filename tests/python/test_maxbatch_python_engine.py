@@ -2981,6 +2981,31 @@ def test_the_early_end_skipped_no_third_step_that_failed_in_a_committed_run(tria
     assert len(probes) >= 1700 and ends >= fitted // 2, (len(probes), ends, fitted)
 
 
+def test_the_truth_report_marks_a_row_sized_while_another_process_held_the_card(capsys):
+    """maxbatch-truth-2026-12-07x: our search sized against what a stopped call's kernel left
+    (5.68 GiB of a 24 GiB cap) while the truth ran after it let go. A row whose notebook could
+    reach less than the cap as it began is marked, and one that could reach it is not."""
+    spec = importlib.util.spec_from_file_location(
+        "_truth_report", REPO / "bench/gpu/truth_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    gib = 2**30
+    run = {"date": "2026-12-07 17:00:00", "gpu": "H100", "cap_gib": 24.0, "torch": "2.11",
+           "command": "python3 bench/gpu/maxbatch_truth.py a b c", "not_started": ["c"],
+           "rows": [{"model": "a", "available_before": 6 * gib},
+                    {"model": "b", "available_before": 78 * gib}]}
+    report.header(run)
+    shown = capsys.readouterr().out
+    assert "**Not comparable:**" in shown and "a (6.0 GiB)" in shown, shown
+    assert "b (" not in shown, shown
+    assert "Not started (past DEADLINE_S): c" in shown, shown
+    del run["not_started"]
+    run["rows"] = run["rows"][1:]
+    report.header(run)
+    shown = capsys.readouterr().out
+    assert "Not comparable" not in shown and "Not started" not in shown, shown
+
+
 def test_a_step_that_draws_from_the_users_dataloader_leaves_it_drawing_the_same(trials):
     import torch
     from torch.utils.data import DataLoader, TensorDataset
