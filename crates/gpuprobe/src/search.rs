@@ -572,20 +572,19 @@ impl<'a> State<'a> {
                 _ => None,
             }
         };
+        // A search that fitted up to its cap found no maximum (`capped`): not exact.
         let exact = match (self.lo, self.hi) {
             (Some(lo), Some(hi)) => hi == lo + 1,
-            (Some(lo), None) => lo >= self.config.max_batch,
             (None, Some(hi)) => hi == 1,
-            (None, None) => false,
+            _ => false,
         };
         let settled = exact || stopped.is_none() && self.done();
         let capped = self.hi.is_none() && self.lo.is_some_and(|lo| lo >= self.config.max_batch);
-        let found = stopped.is_none() && !capped;
         SearchResult {
             max_fit: self.lo,
             min_fail: self.hi,
-            exact: exact && found,
-            settled: settled && found,
+            exact: exact && stopped.is_none(),
+            settled: settled && !capped && stopped.is_none(),
             capped,
             trials: self.trials,
             fit,
@@ -1212,9 +1211,10 @@ mod tests {
         assert_eq!(result.max_fit, Some(1024));
         // Every batch fits up to the cap: the maximum is not found.
         assert!(result.capped && !result.exact && !result.settled);
-        assert_eq!(result.flat_memory(), None); // 1 byte a sample: it grew
-                                                // A step that makes its batch at a size of its own (a --step FN that ignores its
-                                                // argument): with no line to follow the search doubles, up to its cap.
+        // 1 byte a sample: it grew.
+        assert_eq!(result.flat_memory(), None);
+        // A step that makes its batch at a size of its own (a --step FN that ignores its
+        // argument): with no line to follow the search doubles, up to its cap.
         let flat = |b: u64| 3 * GIB + b % 3;
         let config = SearchConfig {
             max_batch: 1 << 16,

@@ -1009,14 +1009,11 @@ fn outside_note(pid: u32, memory: &Memory, limit: u64) -> Option<String> {
 /// The Python kernel's CUDA context on its device: NVML's figure for the process less what
 /// its allocator reserved. `None` where NVML does not show it (no driver access, containers).
 fn context_bytes(pid: u32, memory: &Memory) -> Option<u64> {
-    let nvml = gpuprobe::Nvml::open().ok()?;
-    let snapshot = nvml.snapshot().ok()?;
-    let uuid = memory.uuid.as_deref()?;
-    let used: u64 = snapshot
-        .gpus
+    let snapshot = outside::snapshot()?;
+    let gpu = outside::gpu_by_uuid(&snapshot, memory.uuid.as_deref()?)?;
+    let used: u64 = gpu
+        .processes
         .iter()
-        .filter(|g| g.uuid.trim_start_matches("GPU-") == uuid.trim_start_matches("GPU-"))
-        .flat_map(|g| g.processes.iter())
         .filter(|p| p.pid == pid)
         .filter_map(|p| p.used_memory)
         .sum();
