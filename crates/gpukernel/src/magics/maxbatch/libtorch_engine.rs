@@ -214,24 +214,7 @@ fn search(
         ));
     }
     if info["cuda_available"] != Value::Bool(true) {
-        let said = plugin
-            .request(&Request::ValidateOnCpu(request.clone()))
-            .map_err(failed)?;
-        // How this engine's step can differ from the user's loop is worth knowing before the
-        // search, as after it.
-        let notes: String = exported
-            .map(|e| input_notes(&name, &e.module))
-            .unwrap_or_default()
-            .iter()
-            .map(|n| format!("Note: {n}.\n"))
-            .collect();
-        ctx.stdout(format!(
-            "No CUDA GPU is visible to libtorch here, so there is no GPU memory to size against.\n\
-             Validated the model instead: {}.\n{notes}Run %maxbatch on a GPU machine for the \
-             search.\n",
-            said.as_str().unwrap_or("ok")
-        ));
-        return Ok(());
+        return validate_on_cpu(plugin, request, &name, exported, ctx);
     }
     let live = Live::start(
         ctx.out,
@@ -260,32 +243,71 @@ fn search(
         ));
     }
     if let (true, Some(recommended)) = (args.throughput, findings.recommended()) {
-        let points = call_live(
-            &Request::Throughput {
-                setup: request.clone(),
-                batches: report::throughput_candidates(recommended),
-                steps: report::THROUGHPUT_STEPS,
-            },
-            &live,
-            ctx,
-        )?;
-        if ctx.cancel.is_cancelled() {
-            return Err(MagicError::interrupted());
-        }
-        let points: Vec<ThroughputPoint> = serde_json::from_value(points)
-            .map_err(|e| MagicError::new("MaxBatchError", format!("unreadable timings: {e}")))?;
-        findings.throughput = Some(Throughput::from_points(
-            points
-                .into_iter()
-                .map(|p| (p.batch, p.samples_per_s))
-                .collect(),
-        ));
+        findings.throughput = Some(throughput(request, recommended, &live, ctx)?);
     }
     ctx.out.emit(Output::value_or_display(
         report::summary(&findings),
         args.json,
     ));
     Ok(())
+}
+
+/// Without a GPU there is nothing to size against: the plugin runs the step once on the CPU,
+/// so that a model that cannot train is told now rather than on the GPU machine.
+fn validate_on_cpu(
+    plugin: &torch_plugin::TorchPlugin,
+    request: MaxBatchRequest,
+    name: &str,
+    exported: Option<&Exported>,
+    ctx: &MagicContext,
+) -> Result<(), MagicError> {
+    let said = plugin
+        .request(&Request::ValidateOnCpu(request))
+        .map_err(failed)?;
+    // How this engine's step can differ from the user's loop is worth knowing before the
+    // search, as after it.
+    let notes: String = exported
+        .map(|e| input_notes(name, &e.module))
+        .unwrap_or_default()
+        .iter()
+        .map(|n| format!("Note: {n}.\n"))
+        .collect();
+    ctx.stdout(format!(
+        "No CUDA GPU is visible to libtorch here, so there is no GPU memory to size against.\n\
+         Validated the model instead: {}.\n{notes}Run %maxbatch on a GPU machine for the \
+         search.\n",
+        said.as_str().unwrap_or("ok")
+    ));
+    Ok(())
+}
+
+/// `--throughput`: samples per second at batches up to the recommendation.
+fn throughput(
+    request: MaxBatchRequest,
+    recommended: u64,
+    live: &Live,
+    ctx: &MagicContext,
+) -> Result<Throughput, MagicError> {
+    let points = call_live(
+        &Request::Throughput {
+            setup: request,
+            batches: report::throughput_candidates(recommended),
+            steps: report::THROUGHPUT_STEPS,
+        },
+        live,
+        ctx,
+    )?;
+    if ctx.cancel.is_cancelled() {
+        return Err(MagicError::interrupted());
+    }
+    let points: Vec<ThroughputPoint> = serde_json::from_value(points)
+        .map_err(|e| MagicError::new("MaxBatchError", format!("unreadable timings: {e}")))?;
+    Ok(Throughput::from_points(
+        points
+            .into_iter()
+            .map(|p| (p.batch, p.samples_per_s))
+            .collect(),
+    ))
 }
 
 /// Why this engine's answer can be above the user's loop's: memory the notebook's process
