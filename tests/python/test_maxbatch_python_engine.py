@@ -443,6 +443,28 @@ def test_a_module_step_is_checked_and_the_state_survives_it(notebook):
     assert_untouched(kc)
 
 
+def test_a_models_hooks_that_keep_what_they_saw_are_put_back_in_a_real_kernel(notebook):
+    """A forward hook that appends each output to a notebook list (feature extraction): the
+    check's step ran it, and the list is as it was, as the report says."""
+    _, kc = notebook
+    # (Private names, and the generator put back: the module's other tests compare the
+    # notebook's variables and random state with how NOTEBOOK left them.)
+    reply, _ = execute(kc, "_rng = torch.random.get_rng_state()\n"
+                           "_feats = []\n"
+                           "_hooked = torch.nn.Sequential(torch.nn.Linear(8, 16),"
+                           " torch.nn.ReLU(), torch.nn.Linear(16, 3))\n"
+                           "_ = _hooked[1].register_forward_hook(lambda m, i, o: _feats.append(o))\n"
+                           "torch.random.set_rng_state(_rng)",
+                       timeout=60)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    text = report_of(kc, "%maxbatch _hooked --input 8")
+    assert ("your model (weights, buffers, gradients, attributes), its optimizer, what its "
+            "hooks keep and the random generators are as they were") in text, text
+    _, outputs = execute(kc, "print(len(_feats))", timeout=60)
+    assert stream_text(outputs).strip() == "0", outputs
+    assert_untouched(kc)
+
+
 def test_json_without_a_gpu_is_the_cells_value_with_no_batch_size(notebook):
     _, kc = notebook
     v = json_value_of(kc, "%maxbatch lm --input 8 --optimizer-from opt --amp bf16 --json")
@@ -1752,7 +1774,8 @@ def test_auxiliary_heads_shaped_like_the_output_are_trained_by_the_loss(trials):
             return {"out": self.head(features), "aux": self.aux(features)}
 
     model = SegWithAux()
-    reached = []
+    # (A deque: the trials put back the lists and dicts hooks write to, a deque they leave.)
+    reached = collections.deque()
     model.aux.register_full_backward_hook(lambda *_: reached.append("aux"))
     ns = {"model": model}
     reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
@@ -1764,7 +1787,6 @@ def test_auxiliary_heads_shaped_like_the_output_are_trained_by_the_loss(trials):
     assert reached, "the auxiliary head's backward never ran: it was left out of the loss"
     call(trials, ns, "close")
 
-    import collections
     logits, other = torch.randn(2, 7), torch.randn(2, 7)
     assert [w for w, _ in trials._heads(torch, (logits, other), logits)] == ["output[1]"]
     # Inception's and GoogLeNet's named tuples: the heads by their field names.
@@ -2068,6 +2090,78 @@ def test_an_optimizer_no_reference_reaches_is_kept_before_its_first_step(trials)
         assert any("Adam over 2 tensors" in n for n in closed["not_kept"]), closed
     finally:
         del sys.modules[registry.__name__]
+
+
+def _hooked_model(torch, kept):
+    """A model whose hooks keep what they saw in `kept`'s list, dict and object: a forward
+    hook appending outputs, one writing activations through functools.partial, a bound
+    method counting calls, and a gradient hook on a weight."""
+    import functools
+
+    def save(name, module, args, out):
+        kept["acts"][name] = out.detach()
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    model[1].register_forward_hook(lambda m, i, o: kept["feats"].append(o))
+    model[2].register_forward_hook(functools.partial(save, "head"))
+    model[0].register_forward_hook(kept["counter"].hook)
+    model[0].weight.register_hook(lambda g: kept["grads"].append(g.norm()))
+    return model
+
+
+class _Counter:
+    def __init__(self):
+        self.calls, self.seen = 0, []
+
+    def hook(self, module, args, out):
+        self.calls += 1
+        self.seen.append(out.shape[0])
+
+
+def _hooks_kept(kept):
+    return (list(kept["feats"]), dict(kept["acts"]), list(kept["grads"]),
+            kept["counter"].calls, list(kept["counter"].seen))
+
+
+@pytest.mark.parametrize("kind", ["module", "step"])
+def test_what_a_models_hooks_keep_is_put_back_after_its_trials(trials, kind):
+    """Hooks run in every trial's forward and backward: what they keep (a list, a dict, an
+    object's attributes, reached through a closure, functools.partial and a bound method) is
+    as it was after the trials, for the standard step and for a step function, and the
+    session says it followed them. Before, the trials' outputs stayed in the user's list,
+    alive on the GPU after the search."""
+    import torch
+    import torch.nn.functional as F
+
+    kept = {"feats": [], "acts": {"head": "before"}, "grads": [], "counter": _Counter()}
+    model = _hooked_model(torch, kept)
+    opt = torch.optim.AdamW(model.parameters())
+    before = _hooks_kept(kept)
+
+    def step(bs):
+        opt.zero_grad()
+        F.cross_entropy(model(torch.randn(bs, 8)), torch.randint(0, 3, (bs,))).backward()
+        opt.step()
+
+    if kind == "module":
+        ns = {"model": model, "opt": opt}
+        reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model",
+                                                  "input": [8]})
+        call(trials, ns, "set_loss", plan={"kind": "ce", "classes": 3, "class_dim": -1})
+        results = [call(trials, ns, "trial", batch=b, steps=2) for b in (4, 6)]
+        closed = call(trials, ns, "close")
+    else:
+        reply, results, closed = _step_session(trials, {"step": step}, "step")
+    assert all(r["result"] == "ran" for r in results), results
+    assert closed["not_kept"] == [], closed
+    assert reply["describe"]["hooked"] is True, reply["describe"]
+    assert _hooks_kept(kept) == before
+    # Without hooks the flag stays down.
+    plain = torch.nn.Linear(8, 3)
+    reply = call(trials, {"plain": plain}, "prepare",
+                 spec={"kind": "module", "target": "plain", "input": [8]})
+    assert reply["describe"]["hooked"] is False, reply["describe"]
+    call(trials, {"plain": plain}, "close")
 
 
 def test_generators_tensors_and_attributes_a_step_reaches_are_put_back(trials):
@@ -2671,7 +2765,8 @@ def test_the_standard_step_drives_an_optimizer_that_takes_a_closure(trials):
 
     torch, model, opt, _ = _lbfgs_notebook()
     before = copy.deepcopy(opt.state_dict())
-    calls = []
+    # (A deque: the trials put back the lists and dicts hooks write to, a deque they leave.)
+    calls = collections.deque()
     model.register_forward_hook(lambda *_: calls.append(1))
     ns = {"model": model, "opt": opt}
     reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "model", "input": [4]})

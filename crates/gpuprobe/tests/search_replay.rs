@@ -111,7 +111,7 @@ struct Held {
 
 /// The runs replayed, named so that a new run committed under bench/results changes nothing
 /// here until it is added (and the levels below measured again).
-const RUNS: [&str; 61] = [
+const RUNS: [&str; 62] = [
     "maxbatch-survey-2026-12-03-run2.json",
     "maxbatch-survey-2026-12-03.json",
     "maxbatch-truth-2026-12-03-run2a.json",
@@ -173,6 +173,7 @@ const RUNS: [&str; 61] = [
     "maxbatch-truth-2026-12-07u.json",
     "maxbatch-truth-2026-12-07v.json",
     "maxbatch-truth-2026-12-07w.json",
+    "maxbatch-truth-2026-12-07y.json",
 ];
 
 /// The first run whose search trials recorded their phase peaks.

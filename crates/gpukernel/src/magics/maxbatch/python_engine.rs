@@ -72,6 +72,9 @@ struct Described {
     cuda: bool,
     #[serde(default)]
     state: BTreeMap<String, Vec<String>>,
+    /// Whether hooks of the user's modules reach state of theirs, put back with the rest.
+    #[serde(default)]
+    hooked: bool,
     snapshot_bytes: u64,
     /// Weights the step cannot write (frozen and in no optimizer), left uncopied.
     #[serde(default)]
@@ -477,7 +480,7 @@ pub(super) fn run(
         let check = CpuCheck {
             prepared: &prepared,
             assumptions: &assumptions,
-            step_fn: spec.kind == "step",
+            restored: Restored::of(spec.kind == "step", &prepared.describe),
             model: &spec.target,
             json: args.json,
         };
@@ -576,7 +579,10 @@ fn search_on_gpu(
     if args.throughput {
         findings.throughput = Some(throughput(session, &live, &findings, trial_limit)?);
     }
-    findings.after = close_line(session, spec.kind == "step");
+    findings.after = close_line(
+        session,
+        Restored::of(spec.kind == "step", &prepared.describe),
+    );
     findings.timings = Some(session.timings.borrow().clone());
     Ok(findings)
 }
@@ -594,30 +600,60 @@ fn output_note(args: &Args, prepared: &Prepared, search: &SearchResult) -> Optio
     )
 }
 
-/// What the trials leave as it was: the state `trials.py` snapshots (modules with their
-/// weights, buffers, gradients and attributes; optimizers, schedulers, scalers; the random
-/// generators; a step function's objects' attributes, loose tensors and the globals it
-/// assigns), and a word on what it cannot (an iterator).
-fn state_back(step_fn: bool) -> &'static str {
-    if step_fn {
-        "the modules, optimizers, schedulers, scalers and random generators your step reaches, \
-         the attributes and tensors of the objects it reaches and the variables it assigns \
-         are as they were (an iterator it draws from is not put back)"
-    } else {
-        "your model (weights, buffers, gradients, attributes), its optimizer and the random \
-         generators are as they were"
+/// What the trials put back, for the report's line on it ([`Restored::line`]).
+#[derive(Debug, Clone, Copy)]
+struct Restored {
+    /// A step function's reach, rather than a module's standard step.
+    step_fn: bool,
+    /// Hooks of the user's modules reach state of theirs (`trials.py`'s `_hook_refs`).
+    hooked: bool,
+}
+
+impl Restored {
+    fn of(step_fn: bool, described: &Described) -> Self {
+        Self {
+            step_fn,
+            hooked: described.hooked,
+        }
+    }
+
+    /// What the trials leave as it was: the state `trials.py` snapshots (modules with their
+    /// weights, buffers, gradients and attributes; optimizers, schedulers, scalers; the random
+    /// generators; a step function's objects' attributes, loose tensors and the globals it
+    /// assigns; what the modules' hooks keep), and a word on what it cannot (an iterator).
+    fn line(self) -> String {
+        match (self.step_fn, self.hooked) {
+            (true, hooked) => format!(
+                "the modules, optimizers, schedulers, scalers and random generators your step \
+                 reaches, the attributes and tensors of the objects it reaches{} and the \
+                 variables it assigns are as they were (an iterator it draws from is not put \
+                 back)",
+                if hooked {
+                    ", what your modules' hooks keep"
+                } else {
+                    ""
+                }
+            ),
+            (false, false) => "your model (weights, buffers, gradients, attributes), its \
+                               optimizer and the random generators are as they were"
+                .to_string(),
+            (false, true) => "your model (weights, buffers, gradients, attributes), its \
+                              optimizer, what its hooks keep and the random generators are as \
+                              they were"
+                .to_string(),
+        }
     }
 }
 
 /// Closes the session; the report's line on what the user's kernel holds afterwards.
-fn close_line(session: &mut Session, step_fn: bool) -> String {
+fn close_line(session: &mut Session, restored: Restored) -> String {
     match session.close() {
         Some(Closed {
             memory: Some(m),
             not_kept,
             ..
         }) => {
-            let mut line = afterwards(m, step_fn);
+            let mut line = afterwards(m, restored);
             if !not_kept.is_empty() {
                 line.push_str(&format!("; not put back: {}", not_kept.join("; ")));
             }
@@ -628,7 +664,7 @@ fn close_line(session: &mut Session, step_fn: bool) -> String {
 }
 
 /// What the user's kernel holds once the session is closed.
-fn afterwards(m: &Memory, step_fn: bool) -> String {
+fn afterwards(m: &Memory, restored: Restored) -> String {
     // Pinned host memory is named only where some is left: the snapshot's is given back at
     // close, so what remains is the user's own (a DataLoader's batches in use).
     let pinned = match m.pinned {
@@ -637,7 +673,7 @@ fn afterwards(m: &Memory, step_fn: bool) -> String {
     };
     format!(
         "afterwards: {}; your Python kernel holds {} allocated, {} reserved{pinned}",
-        state_back(step_fn),
+        restored.line(),
         human_bytes(m.allocated.unwrap_or(0)),
         human_bytes(m.reserved.unwrap_or(0))
     )
@@ -1062,7 +1098,7 @@ fn throughput(
 struct CpuCheck<'a> {
     prepared: &'a Prepared,
     assumptions: &'a Assumptions,
-    step_fn: bool,
+    restored: Restored,
     /// The module or step function, as the GPU report names it.
     model: &'a str,
     /// `--json`: the cell's value (no batch size in it), else printed as text.
@@ -1119,7 +1155,7 @@ fn validate_without_gpu(
          Run %maxbatch where the notebook has a GPU for the search (its trials run the steps \
          said above; this check ran one).\n",
         prepared.describe.torch,
-        state_back(check.step_fn),
+        check.restored.line(),
         super::report::assumption_lines(a),
     );
     if !check.json {
@@ -1493,21 +1529,48 @@ mod tests {
             reserved: Some(4 << 30),
             pinned,
         };
-        let line = afterwards(&memory(Some(0)), false);
+        let module_step = Restored {
+            step_fn: false,
+            hooked: false,
+        };
+        let line = afterwards(&memory(Some(0)), module_step);
         assert!(
             line.ends_with("holds 3.00 GiB allocated, 4.00 GiB reserved"),
             "{line}"
         );
         assert_eq!(
-            afterwards(&memory(None), false),
+            afterwards(&memory(None), module_step),
             line,
             "a torch that cannot tell"
         );
-        let line = afterwards(&memory(Some(256 << 20)), true);
+        let step_fn = Restored {
+            step_fn: true,
+            hooked: false,
+        };
+        let line = afterwards(&memory(Some(256 << 20)), step_fn);
         assert!(
             line.ends_with("reserved and 256 MiB of page-locked host memory"),
             "{line}"
         );
+    }
+
+    #[test]
+    fn hooks_that_keep_state_are_named_in_the_line_on_what_was_put_back() {
+        let line = |step_fn, hooked| Restored { step_fn, hooked }.line();
+        assert!(!line(false, false).contains("hook"));
+        assert!(!line(true, false).contains("hook"));
+        assert!(
+            line(false, true).contains("its optimizer, what its hooks keep and the random"),
+            "{}",
+            line(false, true)
+        );
+        assert!(
+            line(true, true).contains("objects it reaches, what your modules' hooks keep and"),
+            "{}",
+            line(true, true)
+        );
+        // Without hooks the lines read as they did before hooks were followed.
+        assert!(line(true, false).contains("the objects it reaches and the variables it assigns"));
     }
 
     #[test]

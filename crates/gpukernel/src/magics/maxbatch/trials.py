@@ -774,10 +774,10 @@ class _StepRefs:
     the globals the user's code assigns (`global unfrozen`): put back with the state they
     describe."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, name="step"):
         self.refs, self.assigned = [], []
         seen = set()
-        stack = [("step", fn, True)]
+        stack = [(name, fn, True)]
         while stack and len(self.refs) < 1024:
             name, f, own = stack.pop()
             if id(f) in seen:
@@ -827,6 +827,55 @@ def _globals_stored(code):
         if hasattr(const, "co_code"):
             names |= _globals_stored(const)
     return names
+
+
+# The tables of a module (and of torch, for every module) whose hooks a forward or backward
+# runs.
+_MODULE_HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                       "_backward_hooks")
+_GLOBAL_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                       "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def _hook_refs(torch, modules, optimizers):
+    """What the user's hooks reach, as `_StepRefs` of them all: a step runs the forward and
+    backward hooks of every layer of its modules (and torch's global ones), their parameters'
+    gradient hooks and its optimizers' step hooks. A hook that keeps what it saw
+    (`feats.append(out)`, `acts[name] = out.detach()`, a counter) changes the user's state at
+    every trial's step, and keeps a trial's activations alive on the GPU after the search."""
+    hooks = []
+
+    def add(where, table):
+        if isinstance(table, dict):
+            hooks.extend((where, h) for h in list(table.values())
+                         if callable(h) and not hasattr(h, _HOOK_MARK))
+
+    for root, module in modules.items():
+        for rel, m in module.named_modules():
+            where = f"{root}.{rel}" if rel else root
+            for table in _MODULE_HOOK_TABLES:
+                add(where, m.__dict__.get(table))
+            for p in m.__dict__.get("_parameters", {}).values():
+                if torch.is_tensor(p):
+                    add(where, getattr(p, "_backward_hooks", None))
+                    add(where, getattr(p, "_post_accumulate_grad_hooks", None))
+    nn_module = importlib.import_module("torch.nn.modules.module")
+    for table in _GLOBAL_HOOK_TABLES:
+        add("torch.nn", getattr(nn_module, table, None))
+    for name, opt in optimizers.items():
+        add(name, getattr(opt, "_optimizer_step_pre_hooks", None))
+        add(name, getattr(opt, "_optimizer_step_post_hooks", None))
+    refs, assigned = [], []
+    for where, hook in hooks[:256]:
+        one = _StepRefs(hook, f"a hook on {where}")
+        refs += one.refs
+        assigned += one.assigned
+    return refs, assigned
+
+
+def _kept_count(found):
+    """How many objects find_state's result keeps, of every kind."""
+    return sum(len(table) for table in found.values())
 
 
 # --- the standard step built from a module -------------------------------------------------
@@ -2126,14 +2175,28 @@ class Session:
             step = FunctionStep(torch, user_ns, spec)
             refs = _StepRefs(step.fn)
             found = find_state(torch, user_ns, refs.refs)
-            found["global"] = {name: (g, name) for g, name in refs.assigned}
+            hook_refs, hook_assigned = _hook_refs(torch, found["module"], found["optimizer"])
+            # Whether the hooks reach state the step's own references do not.
+            self.hooked = any(a not in refs.assigned for a in hook_assigned)
+            if hook_refs:  # again with what the modules' hooks reach, each object kept once
+                with_hooks = find_state(torch, user_ns, refs.refs + hook_refs)
+                self.hooked |= _kept_count(with_hooks) > _kept_count(found)
+                found = with_hooks
+            found["global"] = {name: (g, name) for g, name in refs.assigned + hook_assigned}
         else:
             step = ModuleStep(torch, user_ns, spec, find_state(torch, user_ns))
-            # The standard step touches the module, its optimizer and nothing else.
+            # The standard step touches the module, its optimizer, what their hooks reach
+            # and nothing else.
             found = {"module": {step.name: step.model}, "optimizer": {}, "scaler": {},
                      "scheduler": {}}
             if step.optimizer is not None:
                 found["optimizer"][step.optimizer_name] = step.optimizer
+            hook_refs, hook_assigned = _hook_refs(torch, found["module"], found["optimizer"])
+            hooked = find_state(torch, {}, hook_refs) if hook_refs else {}
+            for kind in ("generator", "tensor", "object", "container"):
+                found[kind] = hooked.get(kind, {})
+            found["global"] = {name: (g, name) for g, name in hook_assigned}
+            self.hooked = _kept_count(found) > len(found["module"]) + len(found["optimizer"])
         self.step = step
         self.found = found
         self.cuda = torch.cuda.is_available()
@@ -2154,7 +2217,7 @@ class Session:
         self.snapshot = Snapshot(torch, list(found["module"].values()),
                                  list(found["optimizer"].values()), self.scalers,
                                  list(found["scheduler"].values()), step.fixed,
-                                 reached=found if spec["kind"] == "step" else None)
+                                 reached=found)
         self.trials = 0
         self.settled = False
         self.saved_fraction = None  # the allocator's cap before --limit changed it
@@ -2218,6 +2281,7 @@ class Session:
                            if not opt.state and any(p.requires_grad for g in opt.param_groups
                                                     for p in g["params"]))
         return {"device": str(self.device), "cuda": self.cuda, "state": names,
+                "hooked": self.hooked,
                 "gpus": self._gpus(), "optimizers_without_state": stateless,
                 "snapshot_bytes": self.snapshot.bytes(),
                 "fixed_bytes": self.snapshot.fixed_bytes,
