@@ -1,7 +1,7 @@
 //! The search replayed against memory curves measured in users' own training loops on an H200
 //! and an H100 (`bench/gpu/maxbatch_truth.py`, committed under `bench/results/`: the runs named
-//! in `RUNS`, every one that recorded the truth's curve up to 2026-12-07w, 279 model runs of
-//! 54 models whose maxima moved between runs; the first 112 runs, of 17 models, up to
+//! in `RUNS`, every one that recorded the truth's curve up to 2026-12-07y, 280 model runs of
+//! 55 models whose maxima moved between runs; the first 112 runs, of 17 models, up to
 //! 2026-12-04f). Each curve is the peak allocated and reserved bytes of the notebook's loop at
 //! a set of batch sizes, and its true maximum from an exact bisection of that loop. A replayed
 //! trial interpolates the curve; a batch above the true maximum runs out of memory. From
@@ -11,8 +11,8 @@
 //! live search took 8, and the trials it retraces now). The search targets hold here:
 //! every answer within 1.5% below the truth, at most 10 trials, 6 in the median. Its time
 //! target (a third of Lightning's double-then-bisect to the exact maximum) does not: by the
-//! cost model below the search alone costs 0.355 of the baseline's compute on the same
-//! curves, and 0.461 with the trial %maxbatch adds to run its recommendation (unless the search
+//! cost model below the search alone costs 0.357 of the baseline's compute on the same
+//! curves, and 0.463 with the trial %maxbatch adds to run its recommendation (unless the search
 //! ran that batch). Both are guarded at their level, not passed off as the target.
 //!
 //! History of those two figures: 0.391 and 0.494 over the 207 runs through -06w, replayed
@@ -21,7 +21,9 @@
 //! trials, 13 one more; `search.rs`'s `reserved_reach`); 0.354 and 0.460 over the 275 runs
 //! through -07u, which added four models no run had tried (a Qwen2-shaped LM in three loops,
 //! torchvision's ViT-B/16); 0.356 and 0.462 over the 278 through -07v; 0.355 and 0.461 over
-//! the 279 through -07w (timm's ViT-B/16). (On the 18 survey curves alone they were 0.340 and
+//! the 279 through -07w (timm's ViT-B/16); 0.357 and 0.463 over the 280 through -07y (timm's
+//! ConvNeXt-T under gradient checkpointing, whose allocated peak at its maximum sat at 0.755 of
+//! the limit, below the band: three failures before the lowered band, 10 trials). (On the 18 survey curves alone they were 0.340 and
 //! 0.450; biasing the closing bisection towards the top, where a failure is cheaper than a
 //! fit, moved them by under 0.01 either way, 2026-12-04.)
 //!
