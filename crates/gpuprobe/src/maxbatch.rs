@@ -553,7 +553,10 @@ fn trial(
     let peaks = trainer.peaks.take();
     match result {
         _ if oom => Ok(TrialRun {
-            outcome: Outcome::OutOfMemory,
+            // Its peak before it ran out: where the cache gave out (`search`'s band).
+            outcome: Outcome::OutOfMemory {
+                peak: peaks.and_then(|mut p| p.fold().ok().map(|()| p.allocated())),
+            },
             reserved_peak: 0,
             active_peak: 0,
             inactive_split_peak: 0,
@@ -718,7 +721,7 @@ pub fn steps(setup: &MaxBatchRequest, batch: u64, count: u32) -> Result<StepsRep
                 peak = peak.max(reserved);
                 ran += 1;
             }
-            Outcome::OutOfMemory => {
+            Outcome::OutOfMemory { .. } => {
                 oom = true;
                 break;
             }
@@ -756,13 +759,13 @@ pub fn throughput(
         let warm = trial(&mut trainer, device, batch, 2, true)?;
         let timed = match warm.outcome {
             Outcome::Ran { .. } => Some(trial(&mut trainer, device, batch, count as usize, false)?),
-            Outcome::OutOfMemory => None,
+            Outcome::OutOfMemory { .. } => None,
         };
         drop(trainer);
         drop(budget);
         let samples_per_s = timed.and_then(|t| match t.outcome {
             Outcome::Ran { .. } => Some(batch as f64 * f64::from(count) / (t.ms / 1000.0)),
-            Outcome::OutOfMemory => None,
+            Outcome::OutOfMemory { .. } => None,
         });
         let event = serde_json::json!({"event": "throughput", "batch": batch,
                                        "samples_per_s": samples_per_s,

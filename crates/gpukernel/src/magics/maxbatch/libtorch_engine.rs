@@ -684,7 +684,7 @@ mod tests {
             ran(64, 21.52),
             gpuprobe::search::Trial {
                 batch: 244,
-                outcome: Outcome::OutOfMemory,
+                outcome: Outcome::OutOfMemory { peak: None },
                 fits: false,
             },
             ran(232, 74.01),

@@ -956,7 +956,10 @@ fn trial_stop(e: CallError, batch: u64) -> Stop {
 fn outcome(reply: &TrialReply, batch: u64, held_before: u64) -> Result<Outcome, Stop> {
     match reply.result {
         TrialResult::Interrupted => Err(Stop::Cancelled),
-        TrialResult::OutOfMemory => Ok(Outcome::OutOfMemory),
+        // Its peak before it ran out: where the cache gave out (`search`'s band).
+        TrialResult::OutOfMemory => Ok(Outcome::OutOfMemory {
+            peak: reply.peak_allocated,
+        }),
         TrialResult::Error => {
             let e = reply.error.as_ref();
             Err(Stop::Failed(format!(
@@ -1831,7 +1834,7 @@ mod tests {
         // That run's trials: 4 and 15 ran, 16 did not; 8 between.
         let trial = |batch, peak: Option<u64>| search::Trial {
             batch,
-            outcome: peak.map_or(Outcome::OutOfMemory, |peak| Outcome::Ran {
+            outcome: peak.map_or(Outcome::OutOfMemory { peak: None }, |peak| Outcome::Ran {
                 peak,
                 reserved: 0,
                 phases: None,
@@ -1917,7 +1920,14 @@ mod tests {
         let oom = reply(
             r#"{"batch": 4, "result": "out_of_memory", "ms": 3.0, "message": "CUDA out of memory"}"#,
         );
-        assert_eq!(outcome(&oom, 4, 0), Ok(Outcome::OutOfMemory));
+        assert_eq!(outcome(&oom, 4, 0), Ok(Outcome::OutOfMemory { peak: None }));
+        // The peak it reached before it ran out goes to the search (its band).
+        let oom =
+            reply(r#"{"batch": 4, "result": "out_of_memory", "ms": 3.0, "peak_allocated": 800}"#);
+        assert_eq!(
+            outcome(&oom, 4, 0),
+            Ok(Outcome::OutOfMemory { peak: Some(800) })
+        );
         let stop = reply(r#"{"batch": 4, "result": "interrupted", "ms": 3.0}"#);
         assert_eq!(outcome(&stop, 4, 0), Err(Stop::Cancelled));
     }

@@ -88,7 +88,7 @@ pub(super) fn progress(title: &str, lines: &[Line]) -> Bundle {
                 ms,
             } => {
                 let what = match outcome {
-                    Outcome::OutOfMemory => "out of memory".to_string(),
+                    Outcome::OutOfMemory { .. } => "out of memory".to_string(),
                     Outcome::Ran { peak, .. } => format!(
                         "fits, peak {}{}",
                         human_bytes(*peak),
@@ -686,7 +686,7 @@ fn chart(search: &SearchResult, reserved: &[(u64, u64)], limit: u64) -> String {
                 if t.fits { "#5cb85c" } else { "#f0ad4e" },
                 peak as f64 / gib
             )),
-            Outcome::OutOfMemory => svg.push_str(&format!(
+            Outcome::OutOfMemory { .. } => svg.push_str(&format!(
                 "<text x=\"{}\" y=\"{}\" fill=\"#d9534f\" text-anchor=\"middle\">✕<title>batch {b}: out of memory</title></text>",
                 x(b),
                 pad - 2.0
@@ -726,7 +726,7 @@ mod tests {
                     ran(1705, 148_000_000_000),
                     Trial {
                         batch: 1706,
-                        outcome: Outcome::OutOfMemory,
+                        outcome: Outcome::OutOfMemory { peak: None },
                         fits: false,
                     },
                 ],
