@@ -14,10 +14,8 @@
 //! still short of it, the cache's own line (its reserved peaks) says where the limit falls:
 //! where that is at or near the trial that settles the answer by fitting, that trial comes
 //! next (replayed on 263 measured curves, 0.389 of the baseline's cost became 0.353:
-//! `tests/search_replay.rs`). A failure that ran out with its allocated peak below the band's
-//! bottom says the band is wrong for this step: the next trial comes from that peak
-//! ([`FAILED_AT`]). The search is pure: a `probe` closure runs the real step, so tests drive
-//! it with deterministic memory functions.
+//! `tests/search_replay.rs`). The search is pure: a `probe` closure runs the real
+//! step, so tests drive it with deterministic memory functions.
 
 use serde::{Deserialize, Serialize};
 
@@ -37,13 +35,6 @@ const CLOSING_BIAS: f64 = 0.5;
 /// place the maximum: near enough that the line is short, and below where the allocator
 /// frees its cache and retries, so that the reserved peak stops growing with the batch.
 const RESERVED_TRUSTED: (f64, f64) = (0.9, 0.985);
-/// Where the allocated peak at the maximum lies, as a fraction of the peak a failure above it
-/// reached before it ran out: the 5th and 95th percentiles over the 960 failing probes of the
-/// truth's curves above their maxima (maxbatch-truth-2026-12-03 to -07y; the median 1.0).
-/// Used where that peak lies below the band: timm's ConvNeXt-T under gradient checkpointing
-/// held its allocated peak at the maximum at 0.755 of the limit, its cache the rest, and took
-/// 10 trials in the band's terms where its failures' peaks give 7 (replayed).
-const FAILED_AT: (f64, f64) = (0.96, 1.05);
 
 /// What one trial step did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,7 +52,12 @@ pub enum Outcome {
         phases: Option<PhasePeaks>,
     },
     /// CUDA ran out of memory (detected by type, never by text). `peak`: the allocated peak
-    /// the step reached before it failed, where the trial read one.
+    /// the step reached before it ran out, where the trial read one. Recorded with the trials
+    /// (the report's JSON, the truth's `trial_list`), not used by the search: where the cache
+    /// gives out could place the band for a step whose cache needs more than it allows, but a
+    /// failure's peak can also be the start of one large allocation well short of the step's
+    /// (an LM's logits), and the rules tried on it took more trials there than the band alone
+    /// (see `tests/search_replay.rs`).
     OutOfMemory {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         peak: Option<u64>,
@@ -436,40 +432,13 @@ impl<'a> State<'a> {
     /// `lowered`: the band has missed (failures in a row), so the device needs more than it
     /// assumed; its top comes down to the peak the line gives the smallest failure.
     fn band(&self, lowered: bool) -> Option<(u64, u64)> {
-        let limit = self.config.limit as f64;
-        // The last trial failed, and ran out below the band's bottom: this step's cache needs
-        // more than the band allows, and the failure's peak says where it gave out. For the
-        // next trial only: a fit after it goes on in the band's terms, as the peak can be one
-        // large allocation's start well short of the step's (an LM's logits).
-        let below = self
-            .failure_peak()
-            .filter(|&peak| (peak as f64 * FAILED_AT.1) < limit * BAND.0)
-            .filter(|_| self.failures_in_a_row() > 0);
-        if let Some(peak) = below {
-            let at = |f: f64| self.predict_at((peak as f64 * f).min(limit) as u64);
-            if let (Some(low), Some(high)) = (at(FAILED_AT.0), at(FAILED_AT.1)) {
-                // Unless a trial fitted at or above its top.
-                if self.lo.is_none_or(|lo| lo < high) {
-                    return Some((low, high));
-                }
-            }
-        }
-        let mut top = limit * BAND.1;
+        let mut top = self.config.limit as f64 * BAND.1;
         if let Some(peak) = self.hi.filter(|_| lowered).and_then(|hi| self.peak_at(hi)) {
             top = top.min(peak);
         }
         let low = self.predict_at((top * BAND.0 / BAND.1) as u64)?;
         let high = self.predict_at(top as u64)?;
         Some((low, high))
-    }
-
-    /// The allocated peak the smallest failure reached before it ran out, where it was read.
-    fn failure_peak(&self) -> Option<u64> {
-        let hi = self.hi?;
-        self.trials.iter().find_map(|t| match t.outcome {
-            Outcome::OutOfMemory { peak } if t.batch == hi => peak,
-            _ => None,
-        })
     }
 
     /// The allocated peak the measured points give `batch`: the line through the two nearest.
@@ -1026,94 +995,6 @@ mod tests {
                 }
             })
         }
-    }
-
-    /// A device whose cache gives out once the allocated bytes pass `usable` of `limit`, its
-    /// failures reporting the peak they reached before running out (`at_failure`, a fraction
-    /// of the limit), or none.
-    fn gives_out_at(
-        limit: u64,
-        usable: f64,
-        at_failure: Option<f64>,
-        memory: impl Fn(u64) -> u64,
-    ) -> impl FnMut(u64) -> Result<Outcome, Stop> {
-        move |b| {
-            let m = memory(b);
-            Ok(if m as f64 > usable * limit as f64 {
-                Outcome::OutOfMemory {
-                    peak: at_failure.map(|f| (f * limit as f64) as u64),
-                }
-            } else {
-                Outcome::Ran {
-                    peak: m,
-                    reserved: m,
-                    phases: None,
-                }
-            })
-        }
-    }
-
-    /// The trials of a search at 1.5% on such a device, and its answer against the truth.
-    fn give_out(usable: f64, at_failure: Option<f64>, memory: fn(u64) -> u64) -> Vec<Trial> {
-        let limit = 24 * GIB;
-        let config = SearchConfig {
-            limit,
-            max_batch: 1 << 16,
-            tolerance: 0.015,
-            ..SearchConfig::default()
-        };
-        let result = search(&config, gives_out_at(limit, usable, at_failure, memory));
-        let truth = true_max((usable * limit as f64) as u64, memory, 1 << 16);
-        let found = result.max_fit.expect("a fit");
-        assert!(
-            found <= truth && found as f64 >= truth as f64 / 1.015,
-            "found {found}, true {truth}: {:?}",
-            result.trials
-        );
-        assert!(result.trials.len() <= 10, "{:?}", result.trials);
-        result.trials
-    }
-
-    // timm's ConvNeXt-T under gradient checkpointing at 24 GiB (maxbatch-truth-2026-12-07y):
-    // 0.6 GiB at 4 samples, 22.7 MiB a sample; its cache gave out at 18.1 GiB allocated.
-    fn convnext_ckpt(b: u64) -> u64 {
-        514 * MIB + b * 22_700 * MIB / 1000
-    }
-
-    #[test]
-    fn a_failure_that_ran_out_below_the_band_sets_the_band_from_its_peak() {
-        let without = give_out(0.755, None, convnext_ckpt);
-        let with = give_out(0.755, Some(0.76), convnext_ckpt);
-        assert!(with.len() <= 7, "{with:?}");
-        assert!(
-            with.len() + 3 <= without.len(),
-            "{with:?} against {without:?}"
-        );
-    }
-
-    #[test]
-    fn a_failure_peak_inside_the_band_changes_nothing() {
-        for usable in [0.88, 0.93, 0.98] {
-            let tried = |trials: Vec<Trial>| -> Vec<(u64, bool)> {
-                trials.iter().map(|t| (t.batch, t.fits)).collect()
-            };
-            let with = tried(give_out(usable, Some(usable), convnext_ckpt));
-            assert_eq!(
-                with,
-                tried(give_out(usable, None, convnext_ckpt)),
-                "at {usable}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_failure_that_ran_out_short_of_the_steps_peak_is_overruled_by_a_fit() {
-        // An LM's logits: its failures run out at the one large allocation, 0.78 of the
-        // limit, where the step's peak at the maximum reaches 0.95 (the LSTM of
-        // maxbatch-survey-2026-12-03). The failure's peak sets the next trial only: after it
-        // fits, the band's terms (it took 10 trials where the failure's band held on).
-        let with = give_out(0.95, Some(0.78), convnext_ckpt);
-        assert!(with.len() <= 7, "{with:?}");
     }
 
     #[test]

@@ -38,13 +38,16 @@
 //! curves, the search's biases did no better: [0.55, 0.3] 0.435, a closing bias of 0.8 0.384,
 //! and [0.85, 0.5] or [1.0, 0.5] took 11 trials on an LSTM.
 //!
-//! A replayed failure reports the peak it reached before it ran out, as a live one does: the
-//! curve's failing probes' peaks interpolated, and beyond the last of them that one (a step far
-//! above its maximum runs out about where the cache gives out, not further up the line: the
-//! truth's probes at over 1.2 times their maxima ran out at 0.83 to 1.14 of the maximum's
-//! peak). The search uses it only where it lies below the band (`search.rs`'s `FAILED_AT`):
-//! here timm's ConvNeXt-T under checkpointing (10 trials without it, 7 with it) and an LSTM's
-//! cheaper path at the same count; no other run's trials changed.
+//! Tried and left out (2026-12-07): setting the band from a failure's peak (the allocated
+//! bytes it reached before it ran out) where that lies below the band's bottom, as timm's
+//! ConvNeXt-T under checkpointing needs (its peak at the maximum at 0.755 of the limit: 10
+//! trials). The maximum's peak over a failure's ran 0.96 to 1.05 (5th to 95th percentile) over
+//! the curves' 960 failing probes. Replayed with failure peaks from those probes, it took the
+//! ConvNeXt from 10 trials to 7 and changed no other run. On synthetic steps whose cache gives
+//! out at 0.6 to 0.99 of the limit, it helped only where the failure's peak was at or above
+//! the maximum's; where it was below (one large allocation's start, as an LM's logits) it took
+//! up to 12 trials where the band alone took 10. The engines now record that peak
+//! (`Outcome::OutOfMemory`'s `peak`), so that runs from here on give live figures for a rule.
 //!
 //! Cost model, in sample-steps, from the trials measured on the H200 (maxbatch-truth-2026-12-04c):
 //! a trial that fits runs 3 steps of `batch` samples, or 2 where its cache peaked at most 0.95
@@ -321,8 +324,6 @@ struct Measured {
     phase_points: Vec<(u64, u64, u64)>,
     truth: u64,
     limit: u64,
-    /// (batch, allocated peak before it ran out) of the curve's batches above the truth.
-    failed: Vec<(u64, u64)>,
 }
 
 impl Measured {
@@ -337,45 +338,17 @@ impl Measured {
         points.dedup_by_key(|p| p.0);
         // Two points interpolate; a small maximum (nanoGPT's 15) leaves the truth no more.
         assert!(points.len() >= 2, "{}: too few points", row.model);
-        let mut failed: Vec<(u64, u64)> = row
-            .curve
-            .iter()
-            .filter(|p| !p.1 && p.0 > row.true_max && p.2 > 0)
-            .map(|p| (p.0, p.2))
-            .collect();
-        failed.sort_unstable();
-        failed.dedup_by_key(|p| p.0);
         Self {
             points,
             phase_points,
             truth: row.true_max,
             limit,
-            failed,
-        }
-    }
-
-    /// The allocated peak a failing batch reached before it ran out: the curve's failures'
-    /// peaks, interpolated (and extrapolated from the nearest two).
-    fn failure_peak(&self, b: u64) -> Option<u64> {
-        match self.failed.as_slice() {
-            [] => None,
-            [(_, peak)] => Some(*peak),
-            points => {
-                let last = points[points.len() - 1];
-                if b >= last.0 {
-                    return Some(last.1);
-                }
-                let as3: Vec<(u64, u64, u64)> = points.iter().map(|&(x, y)| (x, y, y)).collect();
-                Some(interpolate(&as3, b).0.min(self.limit))
-            }
         }
     }
 
     fn probe(&self, b: u64) -> Result<Outcome, Stop> {
         if b > self.truth {
-            return Ok(Outcome::OutOfMemory {
-                peak: self.failure_peak(b),
-            });
+            return Ok(Outcome::OutOfMemory { peak: None });
         }
         let (peak, reserved) = interpolate(&self.points, b);
         let peak = peak.min(self.limit);
