@@ -459,7 +459,7 @@ def test_a_models_hooks_that_keep_what_they_saw_are_put_back_in_a_real_kernel(no
     assert reply["content"]["status"] == "ok", reply["content"]
     text = report_of(kc, "%maxbatch _hooked --input 8")
     assert ("your model (weights, buffers, gradients, attributes), its optimizer, what its "
-            "hooks keep and the random generators are as they were") in text, text
+            "hooks and forwards keep and the random generators are as they were") in text, text
     _, outputs = execute(kc, "print(len(_feats))", timeout=60)
     assert stream_text(outputs).strip() == "0", outputs
     assert_untouched(kc)
@@ -1367,7 +1367,9 @@ def test_the_last_output_lives_into_the_next_forward_unless_the_loop_drops_it(tr
 
     import torch
 
-    last, seen, at_backward = [None], [], []
+    # (`seen` a deque: the trials put back the lists and dicts the model's own forward
+    # writes to, a deque they leave.)
+    last, seen, at_backward = [None], collections.deque(), []
 
     class Probe(torch.autograd.Function):  # sees, in backward, whether the output lives
         @staticmethod
@@ -1397,6 +1399,7 @@ def test_the_last_output_lives_into_the_next_forward_unless_the_loop_drops_it(tr
     last[0] = None
     seen.clear()
     assert call(trials, ns, "trial", batch=4, steps=3)["result"] == "ran"
+    seen = list(seen)
     assert len(seen) >= 2 and seen[0] is False, seen
     assert set(seen[1:]) == {alive}, seen
     assert at_backward and set(at_backward) == {alive}, at_backward
@@ -2095,13 +2098,23 @@ def test_an_optimizer_no_reference_reaches_is_kept_before_its_first_step(trials)
 def _hooked_model(torch, kept):
     """A model whose hooks keep what they saw in `kept`'s list, dict and object: a forward
     hook appending outputs, one writing activations through functools.partial, a bound
-    method counting calls, and a gradient hook on a weight."""
+    method counting calls, and a gradient hook on a weight; and a layer of the user's own
+    class whose forward appends its inputs to a global list."""
     import functools
 
     def save(name, module, args, out):
         kept["acts"][name] = out.detach()
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    class Remembers(torch.nn.Module):  # a forward of the user's own that keeps what it saw
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 3)
+
+        def forward(self, x):
+            _SEEN_BY_FORWARD.append(x.detach())
+            return self.lin(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), Remembers())
     model[1].register_forward_hook(lambda m, i, o: kept["feats"].append(o))
     model[2].register_forward_hook(functools.partial(save, "head"))
     model[0].register_forward_hook(kept["counter"].hook)
@@ -2118,16 +2131,20 @@ class _Counter:
         self.seen.append(out.shape[0])
 
 
+# What the forward of `_hooked_model`'s own layer keeps.
+_SEEN_BY_FORWARD = []
+
+
 def _hooks_kept(kept):
     return (list(kept["feats"]), dict(kept["acts"]), list(kept["grads"]),
-            kept["counter"].calls, list(kept["counter"].seen))
+            kept["counter"].calls, list(kept["counter"].seen), list(_SEEN_BY_FORWARD))
 
 
 @pytest.mark.parametrize("kind", ["module", "step"])
 def test_what_a_models_hooks_keep_is_put_back_after_its_trials(trials, kind):
-    """Hooks run in every trial's forward and backward: what they keep (a list, a dict, an
-    object's attributes, reached through a closure, functools.partial and a bound method) is
-    as it was after the trials, for the standard step and for a step function, and the
+    """Hooks and the user's own forwards run in every trial's forward and backward: what they
+    keep (a list, a dict, an object's attributes, reached through a closure, functools.partial,
+    a bound method and a forward's globals) is as it was after the trials, for the standard step and for a step function, and the
     session says it followed them. Before, the trials' outputs stayed in the user's list,
     alive on the GPU after the search."""
     import torch

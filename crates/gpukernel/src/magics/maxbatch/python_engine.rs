@@ -72,7 +72,8 @@ struct Described {
     cuda: bool,
     #[serde(default)]
     state: BTreeMap<String, Vec<String>>,
-    /// Whether hooks of the user's modules reach state of theirs, put back with the rest.
+    /// Whether hooks of the user's modules, or forwards of their own classes, reach state of
+    /// theirs, put back with the rest.
     #[serde(default)]
     hooked: bool,
     snapshot_bytes: u64,
@@ -605,7 +606,8 @@ fn output_note(args: &Args, prepared: &Prepared, search: &SearchResult) -> Optio
 struct Restored {
     /// A step function's reach, rather than a module's standard step.
     step_fn: bool,
-    /// Hooks of the user's modules reach state of theirs (`trials.py`'s `_hook_refs`).
+    /// Hooks of the user's modules, or forwards of their own classes, reach state of theirs
+    /// (`trials.py`'s `_model_code_refs`).
     hooked: bool,
 }
 
@@ -620,7 +622,8 @@ impl Restored {
     /// What the trials leave as it was: the state `trials.py` snapshots (modules with their
     /// weights, buffers, gradients and attributes; optimizers, schedulers, scalers; the random
     /// generators; a step function's objects' attributes, loose tensors and the globals it
-    /// assigns; what the modules' hooks keep), and a word on what it cannot (an iterator).
+    /// assigns; what the modules' hooks and forwards keep), and a word on what it cannot (an
+    /// iterator).
     fn line(self) -> String {
         match (self.step_fn, self.hooked) {
             (true, hooked) => format!(
@@ -629,7 +632,7 @@ impl Restored {
                  variables it assigns are as they were (an iterator it draws from is not put \
                  back)",
                 if hooked {
-                    ", what your modules' hooks keep"
+                    ", what your modules' hooks and forwards keep"
                 } else {
                     ""
                 }
@@ -638,8 +641,8 @@ impl Restored {
                                optimizer and the random generators are as they were"
                 .to_string(),
             (false, true) => "your model (weights, buffers, gradients, attributes), its \
-                              optimizer, what its hooks keep and the random generators are as \
-                              they were"
+                              optimizer, what its hooks and forwards keep and the random \
+                              generators are as they were"
                 .to_string(),
         }
     }
@@ -1563,12 +1566,12 @@ mod tests {
         assert!(!line(false, false).contains("hook"));
         assert!(!line(true, false).contains("hook"));
         assert!(
-            line(false, true).contains("its optimizer, what its hooks keep and the random"),
+            line(false, true).contains("its optimizer, what its hooks and forwards keep and the"),
             "{}",
             line(false, true)
         );
         assert!(
-            line(true, true).contains("objects it reaches, what your modules' hooks keep and"),
+            line(true, true).contains("it reaches, what your modules' hooks and forwards keep and"),
             "{}",
             line(true, true)
         );

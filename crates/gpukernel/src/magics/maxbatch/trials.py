@@ -837,12 +837,14 @@ _GLOBAL_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks",
                        "_global_backward_pre_hooks", "_global_backward_hooks")
 
 
-def _hook_refs(torch, modules, optimizers):
-    """What the user's hooks reach, as `_StepRefs` of them all: a step runs the forward and
-    backward hooks of every layer of its modules (and torch's global ones), their parameters'
-    gradient hooks and its optimizers' step hooks. A hook that keeps what it saw
-    (`feats.append(out)`, `acts[name] = out.detach()`, a counter) changes the user's state at
-    every trial's step, and keeps a trial's activations alive on the GPU after the search."""
+def _model_code_refs(torch, modules, optimizers):
+    """What the user's code inside the model reaches, as `_StepRefs` of it all: a step runs
+    the forward and backward hooks of every layer of its modules (and torch's global ones),
+    their parameters' gradient hooks, its optimizers' step hooks, and the forward of each
+    module class of the user's own. A hook or forward that keeps what it saw
+    (`feats.append(out)`, `acts[name] = out.detach()`, attention maps in a global list, a
+    counter) changes the user's state at every trial's step, and keeps a trial's activations
+    alive on the GPU after the search."""
     hooks = []
 
     def add(where, table):
@@ -865,9 +867,16 @@ def _hook_refs(torch, modules, optimizers):
     for name, opt in optimizers.items():
         add(name, getattr(opt, "_optimizer_step_pre_hooks", None))
         add(name, getattr(opt, "_optimizer_step_post_hooks", None))
+    # The forwards of the user's own classes (a library's reach nothing of the user's).
+    classes = {type(m) for module in modules.values() for m in module.modules()}
+    for cls in sorted(classes, key=lambda c: c.__qualname__):
+        forward = cls.__dict__.get("forward")
+        code = getattr(forward, "__code__", None)
+        if code is not None and not _is_library(code.co_filename):
+            hooks.append((f"{cls.__qualname__}.forward", forward))
     refs, assigned = [], []
     for where, hook in hooks[:256]:
-        one = _StepRefs(hook, f"a hook on {where}")
+        one = _StepRefs(hook, where if where.endswith(".forward") else f"a hook on {where}")
         refs += one.refs
         assigned += one.assigned
     return refs, assigned
@@ -2175,23 +2184,24 @@ class Session:
             step = FunctionStep(torch, user_ns, spec)
             refs = _StepRefs(step.fn)
             found = find_state(torch, user_ns, refs.refs)
-            hook_refs, hook_assigned = _hook_refs(torch, found["module"], found["optimizer"])
-            # Whether the hooks reach state the step's own references do not.
+            hook_refs, hook_assigned = _model_code_refs(torch, found["module"], found["optimizer"])
+            # Whether the model's hooks and forwards reach state the step's own references
+            # do not.
             self.hooked = any(a not in refs.assigned for a in hook_assigned)
-            if hook_refs:  # again with what the modules' hooks reach, each object kept once
+            if hook_refs:  # again with what the model's code reaches, each object kept once
                 with_hooks = find_state(torch, user_ns, refs.refs + hook_refs)
                 self.hooked |= _kept_count(with_hooks) > _kept_count(found)
                 found = with_hooks
             found["global"] = {name: (g, name) for g, name in refs.assigned + hook_assigned}
         else:
             step = ModuleStep(torch, user_ns, spec, find_state(torch, user_ns))
-            # The standard step touches the module, its optimizer, what their hooks reach
-            # and nothing else.
+            # The standard step touches the module, its optimizer, what their hooks and the
+            # module's own forwards reach, and nothing else.
             found = {"module": {step.name: step.model}, "optimizer": {}, "scaler": {},
                      "scheduler": {}}
             if step.optimizer is not None:
                 found["optimizer"][step.optimizer_name] = step.optimizer
-            hook_refs, hook_assigned = _hook_refs(torch, found["module"], found["optimizer"])
+            hook_refs, hook_assigned = _model_code_refs(torch, found["module"], found["optimizer"])
             hooked = find_state(torch, {}, hook_refs) if hook_refs else {}
             for kind in ("generator", "tensor", "object", "container"):
                 found[kind] = hooked.get(kind, {})
