@@ -2105,14 +2105,15 @@ def _hooked_model(torch, kept):
     def save(name, module, args, out):
         kept["acts"][name] = out.detach()
 
-    class Remembers(torch.nn.Module):  # a forward of the user's own that keeps what it saw
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(16, 3)
-
+    class Remembering(torch.nn.Module):  # a forward of the user's own that keeps what it saw
         def forward(self, x):
             _SEEN_BY_FORWARD.append(x.detach())
             return self.lin(x)
+
+    class Remembers(Remembering):  # the layer's class: its base's forward runs
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 3)
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), Remembers())
     model[1].register_forward_hook(lambda m, i, o: kept["feats"].append(o))

@@ -867,16 +867,20 @@ def _model_code_refs(torch, modules, optimizers):
     for name, opt in optimizers.items():
         add(name, getattr(opt, "_optimizer_step_pre_hooks", None))
         add(name, getattr(opt, "_optimizer_step_post_hooks", None))
-    # The forwards of the user's own classes (a library's reach nothing of the user's).
-    classes = {type(m) for module in modules.values() for m in module.modules()}
-    for cls in sorted(classes, key=lambda c: c.__qualname__):
-        forward = cls.__dict__.get("forward")
+    # The forwards of the user's own classes (a library's reach nothing of the user's), as
+    # each layer resolves it: a subclass without a forward of its own runs its base's.
+    forwards = {}
+    for module in modules.values():
+        for m in module.modules():
+            forward = getattr(type(m), "forward", None)
+            forwards.setdefault(id(forward), forward)
+    for forward in forwards.values():
         code = getattr(forward, "__code__", None)
         if code is not None and not _is_library(code.co_filename):
-            hooks.append((f"{cls.__qualname__}.forward", forward))
+            hooks.append((f"{getattr(forward, '__qualname__', 'forward')}", forward))
     refs, assigned = [], []
     for where, hook in hooks[:256]:
-        one = _StepRefs(hook, where if where.endswith(".forward") else f"a hook on {where}")
+        one = _StepRefs(hook, where if where.endswith("forward") else f"a hook on {where}")
         refs += one.refs
         assigned += one.assigned
     return refs, assigned
