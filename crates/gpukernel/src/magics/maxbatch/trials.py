@@ -838,19 +838,19 @@ _GLOBAL_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks",
 
 
 def _model_code_refs(torch, modules, optimizers):
-    """What the user's code inside the model reaches, as `_StepRefs` of it all: a step runs
-    the forward and backward hooks of every layer of its modules (and torch's global ones),
-    their parameters' gradient hooks, its optimizers' step hooks, and the forward of each
-    module class of the user's own. A hook or forward that keeps what it saw
-    (`feats.append(out)`, `acts[name] = out.detach()`, attention maps in a global list, a
-    counter) changes the user's state at every trial's step, and keeps a trial's activations
-    alive on the GPU after the search."""
-    hooks = []
+    """What the user's code inside the model reaches, as `_StepRefs` of it all, (refs,
+    assigned): a step runs the forward and backward hooks of every layer of its modules (and
+    torch's global ones), their parameters' gradient hooks, its optimizers' step hooks, and the
+    forward each layer runs where the user's own code defines it. A hook or forward that keeps
+    what it saw (`feats.append(out)`, `acts[name] = out.detach()`, attention maps in a global
+    list, a counter) changes the user's state at every trial's step, and keeps a trial's
+    activations alive on the GPU after the search."""
+    code = []  # (name, function)
 
     def add(where, table):
         if isinstance(table, dict):
-            hooks.extend((where, h) for h in list(table.values())
-                         if callable(h) and not hasattr(h, _HOOK_MARK))
+            code.extend((f"a hook on {where}", h) for h in list(table.values())
+                        if callable(h) and not hasattr(h, _HOOK_MARK))
 
     for root, module in modules.items():
         for rel, m in module.named_modules():
@@ -875,15 +875,46 @@ def _model_code_refs(torch, modules, optimizers):
             forward = getattr(type(m), "forward", None)
             forwards.setdefault(id(forward), forward)
     for forward in forwards.values():
-        code = getattr(forward, "__code__", None)
-        if code is not None and not _is_library(code.co_filename):
-            hooks.append((f"{getattr(forward, '__qualname__', 'forward')}", forward))
+        co = getattr(forward, "__code__", None)
+        if co is not None and not _is_library(co.co_filename):
+            code.append((getattr(forward, "__qualname__", "forward"), forward))
     refs, assigned = [], []
-    for where, hook in hooks[:256]:
-        one = _StepRefs(hook, where if where.endswith("forward") else f"a hook on {where}")
+    for name, fn in code[:256]:
+        one = _StepRefs(fn, name)
         refs += one.refs
         assigned += one.assigned
     return refs, assigned
+
+
+def _step_and_state(torch, user_ns, spec):
+    """The step a session runs, the state its trials put back (name -> object per kind), and
+    whether the model's own code (hooks, forwards) reaches state of the user's beyond it."""
+    if spec["kind"] == "step":
+        step = FunctionStep(torch, user_ns, spec)
+        refs = _StepRefs(step.fn)
+        found = find_state(torch, user_ns, refs.refs)
+        code_refs, code_assigned = _model_code_refs(torch, found["module"], found["optimizer"])
+        # Whether the model's code reaches state the step's own references do not.
+        hooked = any(a not in refs.assigned for a in code_assigned)
+        if code_refs:  # again with what the model's code reaches, each object kept once
+            with_code = find_state(torch, user_ns, refs.refs + code_refs)
+            hooked |= _kept_count(with_code) > _kept_count(found)
+            found = with_code
+        found["global"] = {name: (g, name) for g, name in refs.assigned + code_assigned}
+        return step, found, hooked
+    step = ModuleStep(torch, user_ns, spec, find_state(torch, user_ns))
+    # The standard step touches the module, its optimizer, what their hooks and the module's
+    # own forwards reach, and nothing else.
+    found = {"module": {step.name: step.model}, "optimizer": {}, "scaler": {}, "scheduler": {}}
+    if step.optimizer is not None:
+        found["optimizer"][step.optimizer_name] = step.optimizer
+    code_refs, code_assigned = _model_code_refs(torch, found["module"], found["optimizer"])
+    reached = find_state(torch, {}, code_refs) if code_refs else {}
+    for kind in ("generator", "tensor", "object", "container"):
+        found[kind] = reached.get(kind, {})
+    found["global"] = {name: (g, name) for g, name in code_assigned}
+    hooked = _kept_count(found) > len(found["module"]) + len(found["optimizer"])
+    return step, found, hooked
 
 
 def _kept_count(found):
@@ -2184,33 +2215,7 @@ class Session:
     def __init__(self, user_ns, spec):
         torch = _torch()
         self.torch = torch
-        if spec["kind"] == "step":
-            step = FunctionStep(torch, user_ns, spec)
-            refs = _StepRefs(step.fn)
-            found = find_state(torch, user_ns, refs.refs)
-            hook_refs, hook_assigned = _model_code_refs(torch, found["module"], found["optimizer"])
-            # Whether the model's hooks and forwards reach state the step's own references
-            # do not.
-            self.hooked = any(a not in refs.assigned for a in hook_assigned)
-            if hook_refs:  # again with what the model's code reaches, each object kept once
-                with_hooks = find_state(torch, user_ns, refs.refs + hook_refs)
-                self.hooked |= _kept_count(with_hooks) > _kept_count(found)
-                found = with_hooks
-            found["global"] = {name: (g, name) for g, name in refs.assigned + hook_assigned}
-        else:
-            step = ModuleStep(torch, user_ns, spec, find_state(torch, user_ns))
-            # The standard step touches the module, its optimizer, what their hooks and the
-            # module's own forwards reach, and nothing else.
-            found = {"module": {step.name: step.model}, "optimizer": {}, "scaler": {},
-                     "scheduler": {}}
-            if step.optimizer is not None:
-                found["optimizer"][step.optimizer_name] = step.optimizer
-            hook_refs, hook_assigned = _model_code_refs(torch, found["module"], found["optimizer"])
-            hooked = find_state(torch, {}, hook_refs) if hook_refs else {}
-            for kind in ("generator", "tensor", "object", "container"):
-                found[kind] = hooked.get(kind, {})
-            found["global"] = {name: (g, name) for g, name in hook_assigned}
-            self.hooked = _kept_count(found) > len(found["module"]) + len(found["optimizer"])
+        step, found, self.hooked = _step_and_state(torch, user_ns, spec)
         self.step = step
         self.found = found
         self.cuda = torch.cuda.is_available()
