@@ -447,14 +447,13 @@ def test_a_models_hooks_that_keep_what_they_saw_are_put_back_in_a_real_kernel(no
     """A forward hook that appends each output to a notebook list (feature extraction): the
     check's step ran it, and the list is as it was, as the report says."""
     _, kc = notebook
-    # (Private names, and the generator put back: the module's other tests compare the
-    # notebook's variables and random state with how NOTEBOOK left them.)
-    reply, _ = execute(kc, "_rng = torch.random.get_rng_state()\n"
-                           "_feats = []\n"
-                           "_hooked = torch.nn.Sequential(torch.nn.Linear(8, 16),"
+    # (Private names and a forked generator: the module's other tests compare the notebook's
+    # variables and random state with how NOTEBOOK left them.)
+    reply, _ = execute(kc, "_feats = []\n"
+                           "with torch.random.fork_rng():\n"
+                           "    _hooked = torch.nn.Sequential(torch.nn.Linear(8, 16),"
                            " torch.nn.ReLU(), torch.nn.Linear(16, 3))\n"
-                           "_ = _hooked[1].register_forward_hook(lambda m, i, o: _feats.append(o))\n"
-                           "torch.random.set_rng_state(_rng)",
+                           "_ = _hooked[1].register_forward_hook(lambda m, i, o: _feats.append(o))",
                        timeout=60)
     assert reply["content"]["status"] == "ok", reply["content"]
     text = report_of(kc, "%maxbatch _hooked --input 8")

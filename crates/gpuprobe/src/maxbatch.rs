@@ -553,7 +553,7 @@ fn trial(
     let peaks = trainer.peaks.take();
     match result {
         _ if oom => Ok(TrialRun {
-            // Its peak before it ran out: where the cache gave out (`search`'s band).
+            // Its peak before it ran out, recorded with the trial (`Outcome::OutOfMemory`).
             outcome: Outcome::OutOfMemory {
                 peak: peaks.and_then(|mut p| p.fold().ok().map(|()| p.allocated())),
             },

@@ -637,13 +637,15 @@ impl Restored {
                     ""
                 }
             ),
-            (false, false) => "your model (weights, buffers, gradients, attributes), its \
-                               optimizer and the random generators are as they were"
-                .to_string(),
-            (false, true) => "your model (weights, buffers, gradients, attributes), its \
-                              optimizer, what its hooks and forwards keep and the random \
-                              generators are as they were"
-                .to_string(),
+            (false, hooked) => format!(
+                "your model (weights, buffers, gradients, attributes), its optimizer{} and the \
+                 random generators are as they were",
+                if hooked {
+                    ", what its hooks and forwards keep"
+                } else {
+                    ""
+                }
+            ),
         }
     }
 }
@@ -959,7 +961,7 @@ fn trial_stop(e: CallError, batch: u64) -> Stop {
 fn outcome(reply: &TrialReply, batch: u64, held_before: u64) -> Result<Outcome, Stop> {
     match reply.result {
         TrialResult::Interrupted => Err(Stop::Cancelled),
-        // Its peak before it ran out: where the cache gave out (`search`'s band).
+        // Its peak before it ran out, recorded with the trial (`Outcome::OutOfMemory`).
         TrialResult::OutOfMemory => Ok(Outcome::OutOfMemory {
             peak: reply.peak_allocated,
         }),
@@ -1924,7 +1926,7 @@ mod tests {
             r#"{"batch": 4, "result": "out_of_memory", "ms": 3.0, "message": "CUDA out of memory"}"#,
         );
         assert_eq!(outcome(&oom, 4, 0), Ok(Outcome::OutOfMemory { peak: None }));
-        // The peak it reached before it ran out goes to the search (its band).
+        // The peak it reached before it ran out is recorded with the trial.
         let oom =
             reply(r#"{"batch": 4, "result": "out_of_memory", "ms": 3.0, "peak_allocated": 800}"#);
         assert_eq!(
