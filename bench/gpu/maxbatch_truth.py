@@ -495,7 +495,7 @@ def lightning_procedure(name, steps=3, max_trials=25):
             "seconds": time.perf_counter() - t0}
 
 def drop(name):
-    for d in (models, opts, data, amps, scalers, scheds, accumulate):
+    for d in (models, opts, data, amps, scalers, scheds, accumulate, features):
         d.pop(name, None)
     clip.discard(name); own_loss.discard(name); own_loss_held.discard(name)
     globals().pop(name, None); globals().pop(name + "_opt", None)
@@ -606,6 +606,20 @@ def hf_qwen2():  # Qwen2.5-0.5B's shape (494M, 24 layers, d 896, 2 KV heads) and
                                         num_key_value_heads=2, max_position_embeddings=1024,
                                         tie_word_embeddings=True))
 
+# Rows new on 2026-12-08: features taken from a model by forward hooks, the forums'
+# `get_activation` pattern: each step's outputs of the hooked layers stay in a notebook dict
+# until the next step's hooks replace them, so they are held through the next forward.
+features = {}  # name -> {layer: the layer's last output}
+
+def hook_features(name, layers):
+    store = features.setdefault(name, {})
+    def get_activation(layer):
+        def hook(model, input, output):
+            store[layer] = output.detach()
+        return hook
+    for layer in layers:
+        getattr(models[name], layer).register_forward_hook(get_activation(layer))
+
 def fingerprint(name):
     # What a trial could change in the user's state, summed: equal before and after %maxbatch.
     m, opt = models[name], opts[name]
@@ -617,7 +631,9 @@ def fingerprint(name):
             "sched": scheds[name].last_epoch if name in scheds else None,
             "scale": scalers[name].get_scale() if scalers[name] is not None else None,
             "frozen": sum(not p.requires_grad for p in m.parameters()), "training": m.training,
-            "rng": int(torch.cuda.get_rng_state().double().sum())}
+            "rng": int(torch.cuda.get_rng_state().double().sum()),
+            "features": {k: [list(t.shape), float(t.double().sum())]
+                         for k, t in features.get(name, {}).items()}}
 
 def seq_tokens(vocab, seq):  # (seq, batch) token ids, as the nn.Transformer tutorial batches them
     return lambda b: (torch.randint(0, vocab, (seq, b), device=dev), torch.randint(0, vocab, (seq, b), device=dev))
@@ -851,6 +867,19 @@ ROWS = {
     "timm_convnext_t_ckpt_fp32": ("make('timm_convnext_t_ckpt_fp32', timm_model('convnext_tiny', True, "
                                   "drop_path_rate=0.1), images(224, 1000))",
                                   "timm_convnext_t_ckpt_fp32 --input 3x224x224", False),
+    # Rows new on 2026-12-08: more of timm's models under its own gradient checkpointing (the
+    # ConvNeXt row's cache held a third more than its allocated peak), and torchvision's
+    # ResNet-50 with forward hooks keeping its stages' outputs (hook_features above).
+    "timm_resnet50_ckpt_fp32": ("make('timm_resnet50_ckpt_fp32', timm_model('resnet50', True, "
+                                "drop_path_rate=0.05), images(224, 1000))",
+                                "timm_resnet50_ckpt_fp32 --input 3x224x224", False),
+    "timm_vit_s16_ckpt_bf16": ("make('timm_vit_s16_ckpt_bf16', timm_model('vit_small_patch16_224', True, "
+                               "drop_path_rate=0.1), images(224, 1000), torch.bfloat16)",
+                               "timm_vit_s16_ckpt_bf16 --input 3x224x224 --amp bf16", False),
+    "tv_resnet50_hooked_fp32": ("make('tv_resnet50_hooked_fp32', tv('resnet50'), images(224, 1000)); "
+                                "hook_features('tv_resnet50_hooked_fp32', "
+                                "('layer1', 'layer2', 'layer3', 'layer4'))",
+                                "tv_resnet50_hooked_fp32 --input 3x224x224", False),
 }
 # The --step rows: the notebook variable their function trains.
 STEP_KEYS = {"gpt_step": "gptstep", "gpt_accum_step": "gptaccum", "gpt_frozen_step": "gptfrozen",
