@@ -60,7 +60,7 @@ DEADLINE_S = float(os.environ.get("DEADLINE_S", "0"))
 LEAN = os.environ.get("LEAN") == "1"
 
 MODELS = r"""
-import copy, gc, math, time
+import copy, gc, math, time, warnings
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -287,9 +287,66 @@ mse = set()  # names trained on mean squared error against their target (a denoi
 scheds = {}  # name -> LR scheduler stepped after every optimizer step
 clip = set()  # names whose gradients are clipped to norm 1 before the optimizer step
 
+# Rows new on 2026-12-08: LightningModules, whose loop is a Lightning Trainer's fit (name ->
+# the Trainer's precision). Their model wraps one of this file's, trained with cross-entropy
+# on its logits by training_step, and AdamW from configure_optimizers.
+lightning_rows = {}
+lightning_done = 0  # the steps the last fit completed
+
+def lit_module(factory, lr=1e-4):
+    import lightning as L
+    class Lit(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = factory()
+        def forward(self, x):
+            return self.model(x)
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self(x)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+            self.log("train_loss", loss)
+            return loss
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=lr)
+    return Lit()
+
+def fit_lightning(name, batch, steps):
+    # The Trainer's fit as a notebook runs it, its batches from a DataLoader on the CPU (the
+    # Trainer moves each to the GPU). Its teardown moves the model to the CPU: put back here.
+    import lightning as L
+    global lightning_done
+    lightning_done = 0
+
+    class Batches(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for _ in range(steps):
+                yield tuple(t.cpu() for t in data[name](batch))
+
+    class Marks(L.Callback):
+        def on_train_batch_end(self, *args):
+            global lightning_done
+            lightning_done += 1
+            if marks is not None:
+                mark_step(None)
+
+    trainer = L.Trainer(accelerator=dev.type, devices=1, max_steps=steps, logger=False,
+                        precision=lightning_rows[name], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Marks()])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(models[name], torch.utils.data.DataLoader(Batches(), batch_size=None))
+    finally:
+        models[name].to(dev)
+        del trainer
+    torch.cuda.synchronize()
+
 def train(name, batch, steps):
     # The notebook's own loop, as a user writes it: `batch` samples per micro-batch, and
     # `accumulate[name]` micro-batches per optimizer step where the row accumulates.
+    if name in lightning_rows:
+        return fit_lightning(name, batch, steps)
     m, opt, scaler, amp = models[name], opts[name], scalers[name], amps[name]
     micro = accumulate.get(name, 1)
     m.train()
@@ -437,10 +494,15 @@ def steps_ok(name, batch, n=30):
     gc.collect(); torch.cuda.empty_cache()
     done = 0
     try:
-        for _ in range(n):
-            train(name, batch, 1); done += 1
+        if name in lightning_rows:  # one fit of n steps, as the user's Trainer runs
+            train(name, batch, n)
+        else:
+            for _ in range(n):
+                train(name, batch, 1); done += 1
     except torch.OutOfMemoryError:
         pass
+    if name in lightning_rows:
+        done = lightning_done
     opts[name].zero_grad(set_to_none=True)
     opts[name].state.clear()
     gc.collect(); torch.cuda.empty_cache()
@@ -876,6 +938,14 @@ ROWS = {
     "timm_vit_s16_ckpt_bf16": ("make('timm_vit_s16_ckpt_bf16', timm_model('vit_small_patch16_224', True, "
                                "drop_path_rate=0.1), images(224, 1000), torch.bfloat16)",
                                "timm_vit_s16_ckpt_bf16 --input 3x224x224 --amp bf16", False),
+    # LightningModules trained by a Lightning Trainer's fit (lit_module above): %maxbatch's
+    # standard step runs their training_step as the Trainer does (2026-12-08).
+    "lit_gpt_fp32": ("make('lit_gpt_fp32', lambda: lit_module(GPT), tokens(32000, 512)); "
+                     "lightning_rows['lit_gpt_fp32'] = '32-true'",
+                     "lit_gpt_fp32 --input 512", False),
+    "lit_vit_bf16": ("make('lit_vit_bf16', lambda: lit_module(ViT), images(224, 1000)); "
+                     "lightning_rows['lit_vit_bf16'] = 'bf16-mixed'",
+                     "lit_vit_bf16 --input 3x224x224 --amp bf16", False),
     "tv_resnet50_hooked_fp32": ("make('tv_resnet50_hooked_fp32', tv('resnet50'), images(224, 1000)); "
                                 "hook_features('tv_resnet50_hooked_fp32', "
                                 "('layer1', 'layer2', 'layer3', 'layer4'))",

@@ -116,6 +116,9 @@ struct Described {
     #[serde(default)]
     gpus: Vec<String>,
     torch: String,
+    /// A LightningModule: the standard step runs its training_step as its Trainer does.
+    #[serde(default)]
+    lightning: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -242,6 +245,9 @@ struct StepError {
     evalue: String,
     #[serde(rename = "where")]
     location: Option<String>,
+    /// What to do about it, where the engine knows (a LightningModule's batch).
+    #[serde(default)]
+    hint: Option<String>,
 }
 
 /// What of the module torch.compile wraps.
@@ -968,11 +974,14 @@ fn outcome(reply: &TrialReply, batch: u64, held_before: u64) -> Result<Outcome, 
         TrialResult::Error => {
             let e = reply.error.as_ref();
             Err(Stop::Failed(format!(
-                "the step raised {}: {} at batch {batch}{}; your state was put back",
+                "the step raised {}: {} at batch {batch}{}; your state was put back{}",
                 e.map_or("an error", |e| e.ename.as_str()),
                 e.map_or("", |e| e.evalue.as_str()),
                 e.and_then(|e| e.location.as_deref())
                     .map(|w| format!(" ({w})"))
+                    .unwrap_or_default(),
+                e.and_then(|e| e.hint.as_deref())
+                    .map(|h| format!(". {h}"))
                     .unwrap_or_default()
             )))
         }
@@ -1220,7 +1229,15 @@ fn assumptions(
         engine: EngineKind::Python,
         step,
         loss: match prepared.output.as_ref().and_then(|o| o.own_loss.as_ref()) {
+            Some(own) if prepared.describe.lightning => Some(lightning_loss_text(
+                &spec.target,
+                &own_loss_text(&spec.target, own),
+            )),
             Some(own) => Some(own_loss_text(&spec.target, own)),
+            // training_step computes the loss; the plan only makes the batch's target.
+            None if prepared.describe.lightning => loss.map(|loss| {
+                lightning_loss_text(&spec.target, &loss_text(args, prepared, &loss.plan))
+            }),
             None => loss.map(|loss| {
                 let planned = loss_text(args, prepared, &loss.plan);
                 let text = returned_loss_text(&spec.target, loss, prepared, planned);
@@ -1238,6 +1255,9 @@ fn assumptions(
 fn standard_step_text(args: &Args, spec: &Spec, d: &Described) -> String {
     if args.inference {
         return "forward only (no gradients)".to_string();
+    }
+    if d.lightning {
+        return lightning_step_text(&spec.target, d.grad_scaler);
     }
     let scaler = if d.grad_scaler {
         " through a GradScaler"
@@ -1266,6 +1286,32 @@ fn standard_step_text(args: &Args, spec: &Spec, d: &Described) -> String {
          leaves memory as the first did), {output}; at the limit your own loop can differ by a \
          sample or two (the order it frees memory in): --step FN sizes your own step exactly",
         spec.target
+    )
+}
+
+/// A LightningModule's loss: what its training_step returns; `target` says how the batch's
+/// target was made (the loss the forward's output reads as).
+fn lightning_loss_text(model: &str, target: &str) -> String {
+    format!(
+        "what {model}.training_step returns, on a batch (input, target) whose target is made \
+         for {target}"
+    )
+}
+
+/// What the standard step of a LightningModule runs: its Trainer's automatic optimization.
+fn lightning_step_text(target: &str, grad_scaler: bool) -> String {
+    let scaler = if grad_scaler {
+        " through a GradScaler"
+    } else {
+        ""
+    };
+    format!(
+        "{target}.training_step((input, target), 0) as a Lightning Trainer runs it: \
+         training_step, zero_grad (the last step's gradients alive through the forward), \
+         backward{scaler}, optimizer step; {STEPS_PER_TRIAL} steps per trial (two far below the \
+         limit when the second leaves memory as the first did), what training_step returns \
+         alive into the next step; the Trainer's gradient clipping and accumulation are left \
+         out: --step FN sizes a step with them"
     )
 }
 
@@ -1948,6 +1994,19 @@ mod tests {
         };
         assert!(
             why.contains("ValueError: bad shape at batch 8 (<cell>:3 in step)"),
+            "{why}"
+        );
+        // What to do, where the engine knows (a LightningModule's batch), ends the message.
+        let hinted = reply(
+            r#"{"batch": 8, "result": "error", "ms": 1.0,
+                "error": {"ename": "TypeError", "evalue": "bad batch", "where": null,
+                          "hint": "Write FN(batch_size)"}}"#,
+        );
+        let Err(Stop::Failed(why)) = outcome(&hinted, 8, 0) else {
+            panic!("an error stops the search")
+        };
+        assert!(
+            why.ends_with("bad batch at batch 8; your state was put back. Write FN(batch_size)"),
             "{why}"
         );
         let idle = reply(r#"{"batch": 4, "result": "ran", "ms": 1.0, "peak_allocated": 100}"#);

@@ -30,6 +30,11 @@ A trial is one of:
   loss the step then trains on; without targets, a scalar loss the forward returns computed
   from its output (MAE's `(loss, pred, mask)`), which the step trains on alone, or adds to
   the cross-entropy on class scores it is computed from (a z-loss), as gpukernel decides.
+  A LightningModule's standard step is its Trainer's under automatic optimization
+  (``_training_steps``): ``training_step((input, target), 0)``, the optimizer's ``zero_grad``
+  (after it: the last step's gradients live through the forward), backward, the optimizer
+  step, the optimizer from its ``configure_optimizers()``; the target made as the loss
+  inferred from the forward's output would take it.
 
 A trial runs up to ``steps`` steps, and ends sooner, far below the limit, at the first step
 (from the second on) that leaves memory as the step before left it (``_run_steps``).
@@ -64,6 +69,14 @@ TARGET_PARAMETERS = ("targets", "labels", "target")
 # What to do with a model that a single input tensor cannot drive.
 STEP_HINT = ("write a function FN(batch_size) that runs one training step of yours (inputs, "
              "loss, backward, optimizer step) and run %maxbatch --step FN")
+
+
+
+def _lightning_hint(name):
+    """For a LightningModule whose step the standard one cannot run as its Trainer does."""
+    return (f"Write FN(batch_size) that makes one batch of yours and runs your step, e.g. "
+            f"`def step(n): loss = {name}.training_step(make_batch(n), 0); opt.zero_grad(); "
+            f"loss.backward(); opt.step()`, and run %maxbatch --step step")
 
 
 class MaxBatchError(Exception):
@@ -874,6 +887,10 @@ def _model_code_refs(torch, modules, optimizers):
         for m in module.modules():
             forward = getattr(type(m), "forward", None)
             forwards.setdefault(id(forward), forward)
+    # A LightningModule's training_step is the step's code too (`self.losses.append(loss)`).
+    for module in modules.values():
+        step = getattr(type(module), "training_step", None)
+        forwards.setdefault(id(step), step)
     for forward in forwards.values():
         co = getattr(forward, "__code__", None)
         if co is not None and not _is_library(co.co_filename):
@@ -1154,6 +1171,52 @@ class _Watch:
         return [what for what, dim in self.seq_first if dim == 0]
 
 
+_LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning")
+
+
+def _lightning_training_step(model):
+    """The module's own `training_step`, where it is a LightningModule (of `lightning` or
+    `pytorch_lightning`) whose class defines one; else None."""
+    base = next((c for c in type(model).__mro__ if c.__name__ == "LightningModule"
+                 and c.__module__.split(".")[0] in _LIGHTNING_PACKAGES), None)
+    fn = getattr(type(model), "training_step", None)
+    if base is None or fn is None or fn is getattr(base, "training_step", None):
+        return None
+    return getattr(model, "training_step")
+
+
+def _configured_optimizers(torch, conf, name):
+    """The optimizers in what `configure_optimizers()` returned, in each form Lightning takes:
+    one, a list or tuple of them, ([optimizers], [schedulers]), a dict with "optimizer" (and
+    "lr_scheduler"), a list of such dicts, or None."""
+    schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if conf is None or isinstance(conf, schedulers):
+        return []
+    if isinstance(conf, torch.optim.Optimizer):
+        return [conf]
+    if isinstance(conf, dict):
+        if "optimizer" in conf:
+            return _configured_optimizers(torch, conf["optimizer"], name)
+        if "scheduler" in conf:  # a scheduler's config: {"scheduler": ..., "interval": ...}
+            return []
+    if isinstance(conf, (list, tuple)):
+        return [o for c in conf for o in _configured_optimizers(torch, c, name)]
+    raise MaxBatchError(f"{name}.configure_optimizers() returned {_a(conf)}, not an optimizer, "
+                        "a list of them, or a dict with 'optimizer': name the optimizer with "
+                        "--optimizer-from VAR or --optimizer adamw|adam|sgd")
+
+
+def _training_step_loss(torch, out, name):
+    """The loss in what `training_step` returned, as a Trainer reads it: a tensor, a dict's
+    'loss', or None (the Trainer then skips backward and the optimizer step)."""
+    if out is None or torch.is_tensor(out):
+        return out
+    if isinstance(out, dict) and torch.is_tensor(out.get("loss")):
+        return out["loss"]
+    raise MaxBatchError(f"{name}.training_step returned {_a(out)}: a Trainer takes a loss "
+                        "tensor, a dict with a 'loss' tensor, or None")
+
+
 class ModuleStep:
     """One standard training step of a notebook module (see the module docstring)."""
 
@@ -1225,6 +1288,15 @@ class ModuleStep:
         self.own_tried = []  # the targets tried on the forward, and what it said
         # Read once: every probe forward asks (a compiled model is probed eagerly with one).
         self.targets_parameter = self._targets_parameter()
+        # A LightningModule's step is its training_step (the forward still reads the output
+        # its target is made for); --inference sizes its forward alone.
+        self.lightning_step = None if self.inference else _lightning_training_step(model)
+        if self.lightning_step is not None and not getattr(model, "automatic_optimization", True):
+            raise MaxBatchError(f"{self.name} turns automatic optimization off: its "
+                                "training_step steps its optimizers itself through "
+                                "self.optimizers(), which only a Trainer provides. "
+                                f"{_lightning_hint(self.name)}")
+        self.output_shape = None  # the selected output's at PROBE_BATCH (probe_output)
         self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
             user_ns, spec, found)
         mine = [self.optimizer] if self.optimizer is not None else []
@@ -1270,6 +1342,8 @@ class ModuleStep:
         # not split the model between optimizers: no step trains them.
         trainable = {id(p) for p in self.model.parameters() if p.requires_grad}
         name = spec.get("optimizer_from")
+        if self.lightning_step is not None and not name and spec.get("optimizer") is None:
+            return self._configured_optimizer()
         if name:
             opt = _lookup(user_ns, name)
             if not isinstance(opt, torch.optim.Optimizer):
@@ -1311,6 +1385,38 @@ class ModuleStep:
         cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
         extra = {"momentum": 0.9} if kind == "sgd" else {}
         return cls(trainable, lr=1e-3, **extra), f"a new {cls.__name__} (lr 1e-3)", True
+
+    def _configured_optimizer(self):
+        """The optimizer `configure_optimizers()` makes, as a Trainer's fit begins with one: a
+        new one, over the module's parameters. What the call sets on the module (`self.opt =
+        ...`) is undone at once: the trials' optimizer state would live on in it."""
+        model = self.model
+        attrs = model.__dict__
+        before = dict(attrs)
+        try:
+            conf = model.configure_optimizers()
+        except Exception as err:
+            said = str(err).strip().rstrip(".")
+            raise MaxBatchError(f"{self.name}.configure_optimizers() raised {type(err).__name__}: "
+                                f"{said}. Name the optimizer with --optimizer-from VAR (one of "
+                                "yours) or --optimizer adamw|adam|sgd") from None
+        finally:
+            for key in [k for k in attrs if k not in before]:
+                del attrs[key]
+            for key, value in before.items():
+                if attrs.get(key, attrs) is not value:
+                    attrs[key] = value
+        opts = _configured_optimizers(self.torch, conf, self.name)
+        if not opts:
+            return None, f"none ({self.name}.configure_optimizers() returned none)", True
+        if len(opts) > 1:
+            raise MaxBatchError(f"{self.name}.configure_optimizers() returns {len(opts)} "
+                                "optimizers, which a Trainer steps only under manual "
+                                f"optimization. {_lightning_hint(self.name)}")
+        opt = opts[0]
+        lr = opt.param_groups[0].get("lr") if opt.param_groups else None
+        lr = f" (lr {lr:g})" if isinstance(lr, (int, float)) else ""
+        return opt, f"{type(opt).__name__}{lr} from {self.name}.configure_optimizers()", True
 
     def make_input(self, batch):
         torch = self.torch
@@ -1354,6 +1460,7 @@ class ModuleStep:
                 out = watch = None
                 out = self._batch_on_dim_1(misplaced[0])
         tensor, where = _select_output(torch, out)
+        self.output_shape = list(tensor.shape)
         heads = [] if self.inference else [w for w, _ in _heads(torch, out, tensor)]
         parameter = None if self.inference else self.targets_parameter
         reply = {"shape": list(tensor.shape), "dtype": _dtype_name(tensor.dtype),
@@ -1887,19 +1994,39 @@ class ModuleStep:
         F = torch.nn.functional
         plan = self.loss_plan or {"kind": "mean"}
         if plan["kind"] == "ce":
-            # Targets stay below the tensor's own class count (a head's may differ from the
-            # main output's): out of range is a device-side assert, fatal to the CUDA context.
+            target = self._plan_target(list(tensor.shape), tensor.dtype, tensor.device)
             if plan.get("class_dim", -1) == 1 and tensor.dim() > 2:
-                classes = min(plan["classes"], tensor.shape[1])
-                target = torch.randint(0, classes, (tensor.shape[0], *tensor.shape[2:]),
-                                       device=tensor.device)
                 return F.cross_entropy(tensor, target)
-            classes = min(plan["classes"], tensor.shape[-1])
-            target = torch.randint(0, classes, tensor.shape[:-1], device=tensor.device)
             return F.cross_entropy(tensor.reshape(-1, tensor.shape[-1]), target.reshape(-1))
         if plan["kind"] == "mse":
             return F.mse_loss(tensor, torch.randn_like(tensor))
         return tensor.float().mean()
+
+    def _plan_target(self, shape, dtype, device):
+        """A target for an output of `shape` as the loss plan takes it: class ids for
+        cross-entropy (over dim 1 of a dense map, else the last), else values shaped like it."""
+        torch = self.torch
+        plan = self.loss_plan or {"kind": "mean"}
+        if plan["kind"] != "ce":
+            return torch.randn(shape, dtype=dtype, device=device)
+        # Targets stay below the output's own class count (a head's may differ from the main
+        # output's): out of range is a device-side assert, fatal to the CUDA context.
+        if plan.get("class_dim", -1) == 1 and len(shape) > 2:
+            return torch.randint(0, min(plan["classes"], shape[1]), (shape[0], *shape[2:]),
+                                 device=device)
+        return torch.randint(0, min(plan["classes"], shape[-1]), shape[:-1], device=device)
+
+    def batch_target(self, batch):
+        """The target of the (input, target) batch a LightningModule's training_step gets:
+        the forward's own targets where it takes them, else the loss plan's for its output at
+        this batch."""
+        if self.own is not None:
+            return self._targets(self.own, batch)
+        shape = list(self.output_shape or [batch])
+        at = self.batch_dim or 0
+        if at < len(shape) and shape[at] == PROBE_BATCH:
+            shape[at] = batch
+        return self._plan_target(shape, self.dtype, self.device)
 
     def steps(self, batch):
         """The steps, one per `next()`, without end: the caller stops them."""
@@ -1914,6 +2041,8 @@ class ModuleStep:
                     out = model(x)
                 yield
         model.train()
+        if self.lightning_step is not None:
+            yield from self._training_steps(batch)
         if self.closure:
             yield from self._closure_steps(batch)
         out = loss = None  # as in a for loop: the last step's output lives into the next
@@ -1936,6 +2065,56 @@ class ModuleStep:
             else:
                 loss.backward()
                 if opt is not None:
+                    opt.step()
+            yield
+
+    def _training_steps(self, batch):
+        """A LightningModule's steps as its Trainer runs them under automatic optimization
+        (lightning.pytorch.loops.optimization.automatic's Closure): training_step, then the
+        optimizer's zero_grad, so that the last step's gradients are alive through the
+        forward, then backward; the optimizer step (through the GradScaler for fp16, skipped
+        where training_step returned None). What training_step returned lives into the next
+        step, as the loop keeps a batch's outputs."""
+        torch, model, opt, scaler = self.torch, self.model, self.optimizer, self.scaler
+        zero_grad = getattr(model, "optimizer_zero_grad", None)
+        # The modules a Trainer's fit left attached to it: outside its loop `self.log` raises
+        # there, where unattached it warns and returns (the tests of a step do so).
+        attached = [m for m in model.modules() if m.__dict__.get("_trainer") is not None]
+        out = None  # noqa: F841 (alive into the next step)
+
+        def closure():
+            nonlocal out
+            trainers = [m.__dict__["_trainer"] for m in attached]
+            try:
+                for m in attached:
+                    m.__dict__["_trainer"] = None
+                with warnings.catch_warnings(), self._autocast():
+                    warnings.filterwarnings("ignore", r"You are trying to `self\.log\(\)`")
+                    out = self.lightning_step((x, y), 0)
+            finally:
+                for m, trainer in zip(attached, trainers):
+                    m.__dict__["_trainer"] = trainer
+            loss = _training_step_loss(torch, out, self.name)
+            if loss is None:
+                return None
+            if opt is None:
+                model.zero_grad(set_to_none=True)
+            elif zero_grad is not None:
+                zero_grad(0, 0, opt)
+            else:
+                opt.zero_grad(set_to_none=True)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            return loss
+
+        while True:
+            x, y = self.make_input(batch), self.batch_target(batch)
+            if opt is not None and self.closure:
+                opt.step(closure)
+            elif closure() is not None and opt is not None:
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
                     opt.step()
             yield
 
@@ -1991,7 +2170,8 @@ class ModuleStep:
                 _dtype_name(self.dtype),
                 "parameters": sum(p.numel() for p in self.model.parameters()),
                 "grad_scaler": self.scaler is not None,
-                "compiled": self._compiled()}
+                "compiled": self._compiled(),
+                "lightning": self.lightning_step is not None}
 
 
 class FunctionStep:
@@ -2228,8 +2408,12 @@ class Session:
         else:
             self.device = torch.device("cpu")
         if isinstance(step, ModuleStep) and self.cuda and self.device.type != "cuda":
-            raise MaxBatchError(f"{step.name} is on the {self.device.type}, not a GPU: move it "
-                                f"first ({step.name}.cuda() or .to('cuda')), as for training")
+            # A Trainer moves a LightningModule to the GPU as fit starts and back as it ends.
+            trainer = (" (a Lightning Trainer moves it there as fit starts, and back to the "
+                       "CPU as fit ends)" if step.lightning_step is not None else "")
+            raise MaxBatchError(f"{step.name} is on the {self.device.type}, not a GPU{trainer}: "
+                                f"move it first ({step.name}.cuda() or .to('cuda')), as for "
+                                "training")
         # The standard step's own GradScaler is put back too: every trial starts at its
         # initial scale, so the first steps skip the optimizer as the user's first steps will.
         self.scalers = list(found["scaler"].values()) + step.scalers()
@@ -2526,8 +2710,12 @@ class Session:
         # optimizer's compiled step): the trial runs again without them.
         retry = (peaks is not None and peaks.hooks
                  and type(err).__module__.startswith("torch._dynamo"))
-        return {"result": "error", "error": {"ename": type(err).__name__, "evalue": str(err),
-                                             "where": _where(err)}}, retry
+        error = {"ename": type(err).__name__, "evalue": str(err), "where": _where(err)}
+        if getattr(self.step, "lightning_step", None) is not None:
+            error["hint"] = (f"{self.step.name}.training_step got the batch (input, target) "
+                             "that %maxbatch makes, the target as the loss inferred from the "
+                             f"forward's output takes it. {_lightning_hint(self.step.name)}")
+        return {"result": "error", "error": error}, retry
 
     def _clean_up(self, result, peaks):
         """After a trial's steps: its peaks and largest block into `result`, its garbage
