@@ -14,8 +14,10 @@
 //! still short of it, the cache's own line (its reserved peaks) says where the limit falls:
 //! where that is at or near the trial that settles the answer by fitting, that trial comes
 //! next (replayed on 263 measured curves, 0.389 of the baseline's cost became 0.353:
-//! `tests/search_replay.rs`). The search is pure: a `probe` closure runs the real
-//! step, so tests drive it with deterministic memory functions.
+//! `tests/search_replay.rs`). A fit that filled the cache, below a failure, is near the
+//! maximum wherever its allocated peak lies: the next trial goes at most 3% above it, once.
+//! The search is pure: a `probe` closure runs the real step, so tests drive it with
+//! deterministic memory functions.
 
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +33,15 @@ const BIAS: [f64; 3] = [0.7, 0.4, 0.0];
 /// Bracketed and the last trial fitted: where between the lowest trial that can settle the
 /// answer (by failing) and the highest (by fitting) to try next.
 const CLOSING_BIAS: f64 = 0.5;
+/// A trial that fitted with its cache's peak at or above this fraction of the limit filled the
+/// cache: near the maximum, wherever the allocated peak lies (timm's ConvNeXt-T under
+/// checkpointing fitted 746 with the cache at 0.993 of the limit and its allocated peak at
+/// 0.74; its maximum was 765). The first such fit below a failure puts the next trial at most
+/// [`FULL_CACHE_STEP`] above it, instead of halfway to the failure.
+const FULL_CACHE: f64 = 0.985;
+/// How far above the first fit that filled the cache the next trial goes, at most: once, so
+/// that a cache full well below the maximum costs one trial, not a walk.
+const FULL_CACHE_STEP: f64 = 0.03;
 /// Where in the limit the largest trial that fitted left the cache for its reserved peak to
 /// place the maximum: near enough that the line is short, and below where the allocator
 /// frees its cache and retries, so that the reserved peak stops growing with the batch.
@@ -494,6 +505,19 @@ impl<'a> State<'a> {
         })
     }
 
+    /// Whether `lo` is the first trial that fitted with the cache full ([`FULL_CACHE`]), and
+    /// the last trial run.
+    fn first_full_cache_fit(&self, lo: u64) -> bool {
+        let full = |t: &&Trial| {
+            t.fits
+                && matches!(t.outcome, Outcome::Ran { reserved, .. }
+                    if reserved as f64 >= FULL_CACHE * self.config.limit as f64)
+        };
+        let mut fulls = self.trials.iter().filter(full);
+        let last = self.trials.last().map(|t| t.batch);
+        matches!((fulls.next(), fulls.next()), (Some(t), None) if t.batch == lo && last == Some(lo))
+    }
+
     fn next_batch(&self) -> u64 {
         let max = self.config.max_batch;
         let Some(lo) = self.lo else {
@@ -556,6 +580,12 @@ impl<'a> State<'a> {
             }
             (Some(hi), None) => geometric(hi),
             (None, None) => lo.saturating_mul(2),
+        };
+        // The cache filled at `lo`, below a failure: the maximum is near it.
+        let wanted = if self.hi.is_some() && self.first_full_cache_fit(lo) {
+            wanted.min((lo as f64 * (1.0 + FULL_CACHE_STEP)).ceil() as u64)
+        } else {
+            wanted
         };
         // Never a trial whose outcome cannot settle more than one already settled.
         let mut next = wanted.max(self.closing_above(lo));
@@ -1291,5 +1321,65 @@ mod tests {
         assert_eq!(recommend_within(232, 0.05, Some(211)), 208);
         assert_eq!(recommend_within(232, 0.05, Some(400)), 216);
         assert_eq!(recommend_within(20, 0.05, Some(12)), 12);
+    }
+    /// A cache that fills before the step runs out of it: the allocated peak `memory(b)`, the
+    /// cache the step needs `(1 + overhead)` times that, and the cache as it reports: that need
+    /// plus `fill` of the limit it holds besides (blocks cached and not reused), up to the limit.
+    fn filling(
+        capacity: u64,
+        overhead: f64,
+        fill: f64,
+        memory: impl Fn(u64) -> u64,
+    ) -> impl FnMut(u64) -> Result<Outcome, Stop> {
+        move |b| {
+            let m = memory(b);
+            let need = m as f64 * (1.0 + overhead);
+            Ok(if need > capacity as f64 {
+                Outcome::OutOfMemory { peak: None }
+            } else {
+                Outcome::Ran {
+                    peak: m,
+                    reserved: (need + fill * capacity as f64).min(capacity as f64) as u64,
+                    phases: None,
+                }
+            })
+        }
+    }
+
+    #[test]
+    fn a_cache_that_fills_below_the_maximum_brings_the_next_trial_close() {
+        // The cache needs a third more than the allocated peak, as timm's ConvNeXt-T under
+        // checkpointing did: the band misses, and the first fit below the failures fills the
+        // cache. Without the full cache's step the closing bisection took 10 trials at 80 GiB.
+        // However early the cache fills, the step is taken once, so it never costs a walk.
+        for capacity in [24 * GIB, 80 * GIB] {
+            for overhead in [0.0, 0.05, 0.1, 0.2, 0.32] {
+                for fill in [0.0, 0.02, 0.05, 0.1, 0.2, 0.3] {
+                    let config = SearchConfig {
+                        limit: capacity,
+                        max_batch: 1 << 16,
+                        tolerance: 0.015,
+                        ..SearchConfig::default()
+                    };
+                    let result = search(&config, filling(capacity, overhead, fill, resnet50));
+                    let truth = (1..1u64 << 16)
+                        .take_while(|b| resnet50(*b) as f64 * (1.0 + overhead) <= capacity as f64)
+                        .last()
+                        .unwrap();
+                    let found = result.max_fit.unwrap();
+                    let what = format!("{capacity} B, {overhead} more, {fill} filled: {result:?}");
+                    assert!(
+                        found <= truth && (truth - found) as f64 <= 0.015 * truth as f64,
+                        "{what}"
+                    );
+                    let most = if overhead == 0.32 && fill > 0.0 {
+                        8
+                    } else {
+                        10
+                    };
+                    assert!(result.settled && result.trials.len() <= most, "{what}");
+                }
+            }
+        }
     }
 }

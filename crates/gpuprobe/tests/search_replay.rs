@@ -23,7 +23,12 @@
 //! torchvision's ViT-B/16); 0.356 and 0.462 over the 278 through -07v; 0.355 and 0.461 over
 //! the 279 through -07w (timm's ViT-B/16); 0.357 and 0.463 over the 280 through -07y (timm's
 //! ConvNeXt-T under gradient checkpointing, whose allocated peak at its maximum sat at 0.755 of
-//! the limit, below the band: three failures before the lowered band, 10 trials). (On the 18 survey curves alone they were 0.340 and
+//! the limit, below the band: three failures before the lowered band, 10 trials); 0.356 and
+//! 0.461 over the same 280 since the first fit that fills the cache (its reserved peak at 0.985
+//! of the limit or above) puts the next trial at most 3% above it (2026-12-08, `search.rs`'s
+//! `FULL_CACHE`): the ConvNeXt took 8 trials, at 0.54 of the baseline's cost instead of 0.75;
+//! four other runs changed a trial near the end, with the same count and cost. (On the 18
+//! survey curves alone they were 0.340 and
 //! 0.450; biasing the closing bisection towards the top, where a failure is cheaper than a
 //! fit, moved them by under 0.01 either way, 2026-12-04.)
 //!
