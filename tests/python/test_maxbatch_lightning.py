@@ -277,6 +277,47 @@ def test_a_plain_module_with_a_training_step_method_keeps_the_standard_step(tria
     assert not model.calls
 
 
+class LitAutoEncoder(L.LightningModule):
+    """Lightning's front-page example: no forward, its training_step calls the layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(28 * 28, 64), torch.nn.ReLU(),
+                                           torch.nn.Linear(64, 3))
+        self.decoder = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.ReLU(),
+                                           torch.nn.Linear(64, 28 * 28))
+        self.targets = collections.deque()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.targets.append((tuple(y.shape), y.dtype))
+        x = x.view(x.size(0), -1)
+        loss = F.mse_loss(self.decoder(self.encoder(x)), x)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_lightning_module_without_a_forward_is_trained_through_its_training_step(trials):
+    """No output to make a target for: each sample's target is class 0, which a training_step
+    that ignores it (an autoencoder's `x, _ = batch`) or takes class ids can both use."""
+    model = LitAutoEncoder()
+    before = _state(model)
+    ns = {"ae": model}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "ae",
+                                              "input": [1, 28, 28]})
+    assert reply["output"] is None, reply
+    assert reply["describe"]["lightning_target"] == (
+        "class 0 for each sample (ae has no forward to read an output from)")
+    result = call(trials, ns, "trial", batch=5, steps=2)
+    assert result["result"] == "ran", result
+    assert set(model.targets) == {((5,), torch.int64)}
+    call(trials, ns, "close")
+    assert _same_state(before, _state(model))
+
+
 NOTEBOOK = r"""
 import torch, torch.nn.functional as F
 import lightning as L
@@ -298,6 +339,22 @@ class Classifier(L.LightningModule):
 
 lit = Classifier()
 weights = [p.detach().clone() for p in lit.parameters()]
+
+class LitAutoEncoder(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(28 * 28, 64), torch.nn.ReLU(),
+                                           torch.nn.Linear(64, 3))
+        self.decoder = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.ReLU(),
+                                           torch.nn.Linear(64, 28 * 28))
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        x = x.view(x.size(0), -1)
+        return F.mse_loss(self.decoder(self.encoder(x)), x)
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+ae = LitAutoEncoder()
 """
 
 
@@ -316,6 +373,11 @@ def test_the_report_says_the_trainers_step_and_optimizer_in_a_real_kernel():
         assert "optimizer SGD (lr 0.05) from lit.configure_optimizers()" in text, text
         # No warning of Lightning's about logging without a Trainer reaches the cell.
         assert "self.log" not in text, text
+        reply, outputs = execute(kc, "%maxbatch ae --input 1x28x28", timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        text = " ".join(stream_text(outputs).split())
+        assert ("loss what ae.training_step returns, on a batch (input, target) whose target "
+                "is class 0 for each sample (ae has no forward to read an output from)") in text
         _, outputs = execute(kc, "print(all(torch.equal(a, b) for a, b in "
                                  "zip(weights, lit.parameters())))", timeout=60)
         assert stream_text(outputs).strip() == "True", outputs

@@ -119,6 +119,9 @@ struct Described {
     /// A LightningModule: the standard step runs its training_step as its Trainer does.
     #[serde(default)]
     lightning: bool,
+    /// Its batch's target where no output says how to make one (a module without a forward).
+    #[serde(default)]
+    lightning_target: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -1231,13 +1234,17 @@ fn assumptions(
         loss: match prepared.output.as_ref().and_then(|o| o.own_loss.as_ref()) {
             Some(own) if prepared.describe.lightning => Some(lightning_loss_text(
                 &spec.target,
-                &own_loss_text(&spec.target, own),
+                &format!("made for {}", own_loss_text(&spec.target, own)),
             )),
             Some(own) => Some(own_loss_text(&spec.target, own)),
             // training_step computes the loss; the plan only makes the batch's target.
-            None if prepared.describe.lightning => loss.map(|loss| {
-                lightning_loss_text(&spec.target, &loss_text(args, prepared, &loss.plan))
-            }),
+            None if prepared.describe.lightning => match &prepared.describe.lightning_target {
+                Some(target) => Some(lightning_loss_text(&spec.target, target)),
+                None => loss.map(|loss| {
+                    let plan = loss_text(args, prepared, &loss.plan);
+                    lightning_loss_text(&spec.target, &format!("made for {plan}"))
+                }),
+            },
             None => loss.map(|loss| {
                 let planned = loss_text(args, prepared, &loss.plan);
                 let text = returned_loss_text(&spec.target, loss, prepared, planned);
@@ -1290,11 +1297,11 @@ fn standard_step_text(args: &Args, spec: &Spec, d: &Described) -> String {
 }
 
 /// A LightningModule's loss: what its training_step returns; `target` says how the batch's
-/// target was made (the loss the forward's output reads as).
+/// target was made (for the loss the forward's output reads as, or without one).
 fn lightning_loss_text(model: &str, target: &str) -> String {
     format!(
-        "what {model}.training_step returns, on a batch (input, target) whose target is made \
-         for {target}"
+        "what {model}.training_step returns, on a batch (input, target) whose target is \
+         {target}"
     )
 }
 

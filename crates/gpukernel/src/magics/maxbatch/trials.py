@@ -1185,6 +1185,14 @@ def _lightning_training_step(model):
     return getattr(model, "training_step")
 
 
+def _forward_missing(torch, model):
+    """Whether the module's class defines no forward of its own (Lightning's LitAutoEncoder:
+    its training_step calls the layers), so that calling it raises."""
+    forward = getattr(type(model), "forward", None)
+    return (forward is None or forward is torch.nn.Module.forward
+            or getattr(forward, "__module__", "").split(".")[0] in _LIGHTNING_PACKAGES)
+
+
 def _configured_optimizers(torch, conf, name):
     """The optimizers in what `configure_optimizers()` returned, in each form Lightning takes:
     one, a list or tuple of them, ([optimizers], [schedulers]), a dict with "optimizer" (and
@@ -1296,6 +1304,8 @@ class ModuleStep:
                                 "training_step steps its optimizers itself through "
                                 "self.optimizers(), which only a Trainer provides. "
                                 f"{_lightning_hint(self.name)}")
+        # No forward to read an output from: training_step gets class 0 as each target.
+        self.forwardless = self.lightning_step is not None and _forward_missing(torch, model)
         self.output_shape = None  # the selected output's at PROBE_BATCH (probe_output)
         self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
             user_ns, spec, found)
@@ -1438,6 +1448,8 @@ class ModuleStep:
         it); and where the batch goes, when a seq-first layer (batch_first=False: PyTorch's
         RNNs, MultiheadAttention and Transformer layers by default) took it as its sequence."""
         torch = self.torch
+        if self.forwardless:
+            return None
         self.model.train(not self.inference)
         try:
             out, watch = self._watched_forward()
@@ -2022,7 +2034,9 @@ class ModuleStep:
         this batch."""
         if self.own is not None:
             return self._targets(self.own, batch)
-        shape = list(self.output_shape or [batch])
+        if self.output_shape is None:  # no forward: a class id per sample, valid for any count
+            return self.torch.zeros(batch, dtype=self.torch.int64, device=self.device)
+        shape = list(self.output_shape)
         at = self.batch_dim or 0
         if at < len(shape) and shape[at] == PROBE_BATCH:
             shape[at] = batch
@@ -2171,7 +2185,9 @@ class ModuleStep:
                 "parameters": sum(p.numel() for p in self.model.parameters()),
                 "grad_scaler": self.scaler is not None,
                 "compiled": self._compiled(),
-                "lightning": self.lightning_step is not None}
+                "lightning": self.lightning_step is not None,
+                "lightning_target": (f"class 0 for each sample ({self.name} has no forward to "
+                                     "read an output from)") if self.forwardless else None}
 
 
 class FunctionStep:
