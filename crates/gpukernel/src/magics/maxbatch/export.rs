@@ -21,6 +21,9 @@ pub(super) struct ExportedModule {
     /// The forward's optional targets argument, which this engine does not pass.
     #[serde(default)]
     pub targets_parameter: Option<String>,
+    /// A LightningModule with its own training_step, which this engine does not run.
+    #[serde(default)]
+    pub lightning: bool,
     /// The module's layers that take (seq, batch, ...) (`batch_first=False`).
     #[serde(default)]
     pub seq_first: Vec<String>,

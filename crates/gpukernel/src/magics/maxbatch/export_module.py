@@ -53,7 +53,16 @@ def export(user_ns, name, shape, vocab, train=True):
     return {"path": path, "method": method, "training": obj.training, "vocab": vocab,
             "parameters": sum(p.numel() for p in obj.parameters()),
             "seq_first": _seq_first(obj, name), "targets_parameter": _targets_parameter(obj),
-            **_held(torch, obj)}
+            "lightning": _lightning(obj), **_held(torch, obj)}
+
+
+def _lightning(module):
+    """Whether the module is a LightningModule with a training_step of its own, whose step the
+    python engine runs as its Trainer does (trials.py's `_lightning_training_step`)."""
+    base = next((c for c in type(module).__mro__ if c.__name__ == "LightningModule"
+                 and c.__module__.split(".")[0] in ("lightning", "pytorch_lightning")), None)
+    step = getattr(type(module), "training_step", None)
+    return base is not None and step is not None and step is not getattr(base, "training_step")
 
 
 def _targets_parameter(module):

@@ -365,7 +365,20 @@ fn input_notes(name: &str, module: &ExportedModule) -> Vec<String> {
              float32)"
         )
     });
-    seq_first_note(module).into_iter().chain(targets).collect()
+    let lightning = module.lightning.then(|| {
+        format!(
+            "{name} is a LightningModule: this engine trains its forward on the loss planned \
+             here, its gradients zeroed before the forward, where its Trainer runs its \
+             training_step and zeroes them after it, so that the last step's are alive through \
+             the forward; the python engine (the default for a notebook variable) runs the \
+             Trainer's step"
+        )
+    });
+    seq_first_note(module)
+        .into_iter()
+        .chain(targets)
+        .chain(lightning)
+        .collect()
 }
 
 fn findings(
@@ -665,6 +678,12 @@ mod tests {
         );
         exported.seq_first.clear();
         assert_eq!(input_notes("lm", &exported).len(), 1);
+        exported.lightning = true;
+        let notes = input_notes("lm", &exported);
+        assert!(
+            notes[1].starts_with("lm is a LightningModule: this engine trains its forward"),
+            "{notes:?}"
+        );
     }
 
     fn report(blocks: Vec<(u64, u64)>) -> MaxBatchReport {
