@@ -139,6 +139,25 @@ def test_the_trials_meet_training_step_as_a_real_trainer_does(trials):
     assert model._trainer is not None
 
 
+@pytest.mark.parametrize("amp, scaler", [("bf16", False), ("fp16", True)])
+def test_mixed_precision_runs_training_step_under_autocast_as_the_trainers_precision_does(
+        trials, amp, scaler):
+    """`--amp bf16` is Trainer(precision="bf16-mixed"): training_step under autocast; `--amp
+    fp16` is "16-mixed": the same through a GradScaler, whose step the Trainer skips when the
+    scaled gradients are not finite."""
+    model = Classifier()
+    before = _state(model)
+    ns = {"lit": model}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "lit", "input": [32],
+                                              "amp": amp})
+    assert reply["describe"]["grad_scaler"] is scaler
+    call(trials, ns, "set_loss", plan=CE)
+    assert call(trials, ns, "trial", batch=3, steps=2)["result"] == "ran"
+    assert len(model.seen) >= 2
+    call(trials, ns, "close")
+    assert _same_state(before, _state(model))
+
+
 def _adamw(m):
     return torch.optim.AdamW(m.parameters(), lr=1e-3)
 

@@ -71,7 +71,6 @@ STEP_HINT = ("write a function FN(batch_size) that runs one training step of you
              "loss, backward, optimizer step) and run %maxbatch --step FN")
 
 
-
 def _lightning_hint(name):
     """For a LightningModule whose step the standard one cannot run as its Trainer does."""
     return (f"Write FN(batch_size) that makes one batch of yours and runs your step, e.g. "
