@@ -121,7 +121,9 @@ def test_the_trials_meet_training_step_as_a_real_trainer_does(trials):
     reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "lit", "input": [32]})
     assert reply["describe"]["lightning"] is True
     assert reply["describe"]["optimizer"] == "SGD (lr 0.1) from lit.configure_optimizers()"
-    call(trials, ns, "set_loss", plan=CE)
+    # Its probe of the target training_step takes (one call at batch 2) is no trial's step.
+    assert call(trials, ns, "set_loss", plan=CE)["target_values"] is False
+    model.seen.clear()
     result = call(trials, ns, "trial", batch=6, steps=3)
     assert result["result"] == "ran", result
     # Two steps or three: a trial ends at the second where it left memory as the first did.
@@ -212,6 +214,41 @@ def test_an_optimizer_asked_for_is_taken_instead_of_configure_optimizers(trials)
                                               "optimizer": "adam"})
     assert reply["describe"]["optimizer"] == "a new Adam (lr 1e-3)"
     call(trials, ns, "close")
+
+
+class MultiLabel(Classifier):
+    """Twenty labels at once: binary cross-entropy against a float target like the logits."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append((None, tuple(x.shape), x.dtype, tuple(y.shape), y.dtype))
+        return F.binary_cross_entropy_with_logits(self(x), y)
+
+
+class Regression(Classifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append((None, tuple(x.shape), x.dtype, tuple(y.shape), y.dtype))
+        return F.mse_loss(self(x), y)
+
+
+@pytest.mark.parametrize("module, values", [(Classifier, False), (MultiLabel, True),
+                                            (Regression, True)])
+def test_a_training_step_that_refuses_class_ids_gets_values_shaped_like_the_output(
+        trials, module, values):
+    """The output's 10 columns read as classes, and a classifier takes class ids; a
+    multi-label or regression step refuses them, and gets floats shaped like the output."""
+    model = module()
+    before = _state(model)
+    ns = {"lit": model}
+    call(trials, ns, "prepare", spec={"kind": "module", "target": "lit", "input": [32]})
+    assert call(trials, ns, "set_loss", plan=CE)["target_values"] is values
+    model.seen.clear()
+    assert call(trials, ns, "trial", batch=3, steps=2)["result"] == "ran"
+    expected = ((3, 10), torch.float32) if values else ((3,), torch.int64)
+    assert {seen[3:] for seen in model.seen} == {expected}
+    call(trials, ns, "close")
+    assert _same_state(before, _state(model))
 
 
 class ManualClassifier(Classifier):
@@ -374,6 +411,13 @@ class LitAutoEncoder(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 ae = LitAutoEncoder()
+
+class MultiLabel(Classifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.binary_cross_entropy_with_logits(self(x), y)
+
+ml = MultiLabel()
 """
 
 
@@ -397,6 +441,11 @@ def test_the_report_says_the_trainers_step_and_optimizer_in_a_real_kernel():
         text = " ".join(stream_text(outputs).split())
         assert ("loss what ae.training_step returns, on a batch (input, target) whose target "
                 "is class 0 for each sample (ae has no forward to read an output from)") in text
+        reply, outputs = execute(kc, "%maxbatch ml --input 32", timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        text = " ".join(stream_text(outputs).split())
+        assert ("whose target is values shaped like the output (it refused class ids for the "
+                "cross-entropy the output looks like)") in text, text
         _, outputs = execute(kc, "print(all(torch.equal(a, b) for a, b in "
                                  "zip(weights, lit.parameters())))", timeout=60)
         assert stream_text(outputs).strip() == "True", outputs

@@ -209,11 +209,21 @@ enum ReturnedUse {
     Added,
 }
 
+/// `set_loss`'s reply: what the step found it needs beside the plan.
+#[derive(Debug, Clone, Copy, Deserialize)]
+struct LossSet {
+    #[serde(default)]
+    target_values: bool,
+}
+
 /// The loss the standard step trains on.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct StepLoss {
     plan: LossPlan,
     returned: Option<ReturnedUse>,
+    /// A LightningModule's training_step took values shaped like the output as its target
+    /// where it refused the plan's class ids (`set_loss`'s probe).
+    target_values: bool,
 }
 
 impl StepLoss {
@@ -229,7 +239,11 @@ impl StepLoss {
             None if matches!(plan, LossPlan::Ce { .. }) && !r.detached => Some(ReturnedUse::Added),
             None => Some(ReturnedUse::Alone),
         });
-        StepLoss { plan, returned }
+        StepLoss {
+            plan,
+            returned,
+            target_values: false,
+        }
     }
 }
 
@@ -711,15 +725,16 @@ fn plan_loss(
         output.like_input,
     )
     .map_err(|e| MagicError::usage(format!("%maxbatch: {e}")))?;
-    let loss = StepLoss::of(plan, output.returned_loss.as_ref(), args.loss);
-    session
-        .call::<Value>(
+    let mut loss = StepLoss::of(plan, output.returned_loss.as_ref(), args.loss);
+    let set: LossSet = session
+        .call(
             "set_loss",
             json!({ "plan": plan, "returned": loss.returned }),
             SETUP_LIMIT,
             &mut |_| {},
         )
         .map_err(CallError::into_magic)?;
+    loss.target_values = set.target_values;
     Ok(Some(loss))
 }
 
@@ -1241,8 +1256,14 @@ fn assumptions(
             None if prepared.describe.lightning => match &prepared.describe.lightning_target {
                 Some(target) => Some(lightning_loss_text(&spec.target, target)),
                 None => loss.map(|loss| {
-                    let plan = loss_text(args, prepared, &loss.plan);
-                    lightning_loss_text(&spec.target, &format!("made for {plan}"))
+                    let target = if loss.target_values {
+                        "values shaped like the output (it refused class ids for the \
+                         cross-entropy the output looks like)"
+                            .to_string()
+                    } else {
+                        format!("made for {}", loss_text(args, prepared, &loss.plan))
+                    };
+                    lightning_loss_text(&spec.target, &target)
                 }),
             },
             None => loss.map(|loss| {

@@ -1306,6 +1306,7 @@ class ModuleStep:
         # No forward to read an output from: training_step gets class 0 as each target.
         self.forwardless = self.lightning_step is not None and _forward_missing(torch, model)
         self.output_shape = None  # the selected output's at PROBE_BATCH (probe_output)
+        self.target_values = False  # training_step's target: values like the output (set_loss)
         self.optimizer, self.optimizer_name, self.optimizer_owned = self._optimizer(
             user_ns, spec, found)
         mine = [self.optimizer] if self.optimizer is not None else []
@@ -2039,6 +2040,8 @@ class ModuleStep:
         at = self.batch_dim or 0
         if at < len(shape) and shape[at] == PROBE_BATCH:
             shape[at] = batch
+        if self.target_values:
+            return self.torch.randn(shape, dtype=self.dtype, device=self.device)
         return self._plan_target(shape, self.dtype, self.device)
 
     def steps(self, batch):
@@ -2090,23 +2093,11 @@ class ModuleStep:
         step, as the loop keeps a batch's outputs."""
         torch, model, opt, scaler = self.torch, self.model, self.optimizer, self.scaler
         zero_grad = getattr(model, "optimizer_zero_grad", None)
-        # The modules a Trainer's fit left attached to it: outside its loop `self.log` raises
-        # there, where unattached it warns and returns (the tests of a step do so).
-        attached = [m for m in model.modules() if m.__dict__.get("_trainer") is not None]
         out = None  # noqa: F841 (alive into the next step)
 
         def closure():
             nonlocal out
-            trainers = [m.__dict__["_trainer"] for m in attached]
-            try:
-                for m in attached:
-                    m.__dict__["_trainer"] = None
-                with warnings.catch_warnings(), self._autocast():
-                    warnings.filterwarnings("ignore", r"You are trying to `self\.log\(\)`")
-                    out = self.lightning_step((x, y), 0)
-            finally:
-                for m, trainer in zip(attached, trainers):
-                    m.__dict__["_trainer"] = trainer
+            out = self._run_training_step(x, y)
             loss = _training_step_loss(torch, out, self.name)
             if loss is None:
                 return None
@@ -2130,6 +2121,42 @@ class ModuleStep:
                 else:
                     opt.step()
             yield
+
+    def _run_training_step(self, x, y):
+        """`training_step((x, y), 0)` under the step's autocast. A module a Trainer's fit left
+        attached to it runs detached: outside the fit's loop `self.log` raises there, where
+        detached it warns and returns (as in a test of the step), and that warning is quiet."""
+        attached = [m for m in self.model.modules() if m.__dict__.get("_trainer") is not None]
+        trainers = [m.__dict__["_trainer"] for m in attached]
+        try:
+            for m in attached:
+                m.__dict__["_trainer"] = None
+            with warnings.catch_warnings(), self._autocast():
+                warnings.filterwarnings("ignore", r"You are trying to `self\.log\(\)`")
+                return self.lightning_step((x, y), 0)
+        finally:
+            for m, trainer in zip(attached, trainers):
+                m.__dict__["_trainer"] = trainer
+
+    def choose_target(self):
+        """Whether training_step takes values shaped like the output as its target (a
+        multi-label or regression loss: binary cross-entropy, mean squared error) where it
+        refuses the loss plan's class ids: tried once at PROBE_BATCH, class ids first, and the
+        first that runs is kept (neither: the class ids, and the first trial says why)."""
+        torch = self.torch
+        x = self.make_input(PROBE_BATCH)
+        for values in (False, True):
+            self.target_values = values
+            try:
+                _training_step_loss(torch, self._run_training_step(x, self.batch_target(PROBE_BATCH)),
+                                    self.name)
+                return values
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:
+                continue
+        self.target_values = False
+        return False
 
     def _closure_steps(self, batch):
         """The steps of an optimizer that calls back for the loss (LBFGS), as its loops are
@@ -2888,9 +2915,19 @@ class _Clock:
 def set_loss(user_ns, plan, returned=None):
     """The loss the standard step computes: `plan` on the selected output (and its heads);
     with `returned` "alone", the scalar the forward returns instead, or "added" to it."""
-    step = _current().step
+    session = _current()
+    step = session.step
     step.loss_plan, step.returned_use = plan, returned
-    return {"loss": plan, "returned": returned}
+    reply = {"loss": plan, "returned": returned}
+    # A LightningModule's training_step may take another target than the plan's class ids.
+    if (isinstance(step, ModuleStep) and step.lightning_step is not None
+            and step.output_shape is not None and step.own is None and plan["kind"] == "ce"):
+        try:
+            reply["target_values"] = step.choose_target()
+        finally:
+            session.restore()
+            session.settled = False  # the first trial collects the probe's garbage first
+    return reply
 
 
 def trial(user_ns, batch, steps=2, timed=0):
