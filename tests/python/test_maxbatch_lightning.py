@@ -251,6 +251,32 @@ def test_a_training_step_that_refuses_class_ids_gets_values_shaped_like_the_outp
     assert _same_state(before, _state(model))
 
 
+def test_a_pytorch_lightning_module_gets_its_trainers_step_too(trials):
+    """`import pytorch_lightning as pl` (the package's older name, installed with it)."""
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class Old(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 10)
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    ns = {"old": Old()}
+    reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "old", "input": [32]})
+    assert reply["describe"]["lightning"] is True
+    assert reply["describe"]["optimizer"] == "SGD (lr 0.01) from old.configure_optimizers()"
+    call(trials, ns, "close")
+
+
 class ManualClassifier(Classifier):
     def __init__(self):
         super().__init__()
