@@ -58,3 +58,16 @@ def gpukernel() -> Path:
 @pytest.fixture(scope="session")
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture()
+def trials():
+    """%maxbatch's python engine (trials.py), loaded afresh from the source for each test, as
+    gpukernel installs it into a kernel: its session state is the test's own."""
+    import importlib.util
+
+    path = REPO / "crates/gpukernel/src/magics/maxbatch/trials.py"
+    spec = importlib.util.spec_from_file_location("_gpukernel_maxbatch_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

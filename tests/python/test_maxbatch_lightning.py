@@ -4,16 +4,15 @@ optimizer its configure_optimizers() makes. A real Lightning Trainer runs the sa
 the CPU first, and the trials must meet training_step as it did; then the module's state,
 what its training_step appended and what configure_optimizers set, must be as before.
 
-The first half drives trials.py in-process with real torch and Lightning on the CPU; the last
-test goes through a real gpu-python kernel and reads the report."""
+The first half drives trials.py in-process (conftest's `trials`) with real torch and Lightning
+on the CPU; the last test goes through a real gpu-python kernel and reads the report."""
 
 from __future__ import annotations
 
 import collections
-import importlib.util
+import inspect
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 
@@ -23,17 +22,7 @@ L = pytest.importorskip("lightning")
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-REPO = Path(__file__).resolve().parents[2]
-TRIALS = REPO / "crates/gpukernel/src/magics/maxbatch/trials.py"
 CE = {"kind": "ce", "classes": 10, "class_dim": -1}
-
-
-@pytest.fixture()
-def trials():
-    spec = importlib.util.spec_from_file_location("_gpukernel_maxbatch_lightning_test", TRIALS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def call(trials, ns, name, **args):
@@ -400,51 +389,14 @@ def test_a_lightning_module_without_a_forward_is_trained_through_its_training_st
     assert _same_state(before, _state(model))
 
 
-NOTEBOOK = r"""
-import torch, torch.nn.functional as F
-import lightning as L
-
-class Classifier(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
-                                       torch.nn.Linear(64, 10))
-    def forward(self, x):
-        return self.net(x)
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-lit = Classifier()
-weights = [p.detach().clone() for p in lit.parameters()]
-
-class LitAutoEncoder(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.encoder = torch.nn.Sequential(torch.nn.Linear(28 * 28, 64), torch.nn.ReLU(),
-                                           torch.nn.Linear(64, 3))
-        self.decoder = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.ReLU(),
-                                           torch.nn.Linear(64, 28 * 28))
-    def training_step(self, batch, batch_idx):
-        x, _ = batch
-        x = x.view(x.size(0), -1)
-        return F.mse_loss(self.decoder(self.encoder(x)), x)
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
-
-ae = LitAutoEncoder()
-
-class MultiLabel(Classifier):
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.binary_cross_entropy_with_logits(self(x), y)
-
-ml = MultiLabel()
-"""
+# The notebook defines the same modules as this file, from their source.
+NOTEBOOK = "\n".join([
+    "import collections, torch, torch.nn.functional as F",
+    "import lightning as L",
+    *(inspect.getsource(cls) for cls in (Classifier, MultiLabel, LitAutoEncoder)),
+    "lit, ml, ae = Classifier(), MultiLabel(), LitAutoEncoder()",
+    "weights = [p.detach().clone() for p in lit.parameters()]",
+])
 
 
 def test_the_report_says_the_trainers_step_and_optimizer_in_a_real_kernel():
@@ -459,7 +411,7 @@ def test_the_report_says_the_trainers_step_and_optimizer_in_a_real_kernel():
                 "forward), backward, optimizer step;") in text, text
         assert ("loss what lit.training_step returns, on a batch (input, target) whose target "
                 "is made for cross-entropy over the last dimension (10 classes)") in text, text
-        assert "optimizer SGD (lr 0.05) from lit.configure_optimizers()" in text, text
+        assert "optimizer SGD (lr 0.1) from lit.configure_optimizers()" in text, text
         # No warning of Lightning's about logging without a Trainer reaches the cell.
         assert "self.log" not in text, text
         reply, outputs = execute(kc, "%maxbatch ae --input 1x28x28", timeout=120)

@@ -23,7 +23,6 @@ import pytest
 from kernel_client import collect, execute, running_kernel, stream_text
 
 REPO = Path(__file__).resolve().parents[2]
-TRIALS = REPO / "crates/gpukernel/src/magics/maxbatch/trials.py"
 
 # A model mid-training, with every kind of state a trial could disturb: BatchNorm statistics,
 # gradients, AdamW state, an LR scheduler, a GradScaler, training flags (eval on one
@@ -857,14 +856,6 @@ def test_bad_requests_name_the_problem_and_change_nothing(notebook, cell, expect
 
 
 # --- trials.py in-process ---------------------------------------------------------------
-
-@pytest.fixture()
-def trials():
-    spec = importlib.util.spec_from_file_location("_gpukernel_maxbatch_test", TRIALS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def call(trials, ns, name, **args):
     return json.loads(trials.call(ns, name, json.dumps(args)))
