@@ -1027,6 +1027,24 @@ mod tests {
         }
     }
 
+    /// The largest ResNet-50 batch whose cache, `overhead` more than its allocated peak,
+    /// fits `capacity`.
+    fn truth_with_overhead(capacity: u64, overhead: f64) -> u64 {
+        (1..1u64 << 16)
+            .take_while(|b| resnet50(*b) as f64 * (1.0 + overhead) <= capacity as f64)
+            .last()
+            .unwrap()
+    }
+
+    /// The search's answer is at or below `truth`, and within `tolerance` of it.
+    fn assert_within(result: &SearchResult, truth: u64, tolerance: f64, what: &str) {
+        let found = result.max_fit.unwrap();
+        assert!(
+            found <= truth && (truth - found) as f64 <= tolerance * truth as f64,
+            "{what}"
+        );
+    }
+
     #[test]
     fn one_percent_is_settled_in_seven_trials_though_the_cache_needs_more() {
         for capacity in [24 * GIB, 40 * GIB, 80 * GIB, 140 * GIB] {
@@ -1038,15 +1056,12 @@ mod tests {
                     ..SearchConfig::default()
                 };
                 let result = search(&config, fragmented(capacity, overhead, resnet50));
-                let truth = (1..1u64 << 16)
-                    .take_while(|b| resnet50(*b) as f64 * (1.0 + overhead) <= capacity as f64)
-                    .last()
-                    .unwrap();
-                let found = result.max_fit.unwrap();
                 let what = format!("{capacity} B, {overhead} overhead: {result:?}");
-                assert!(
-                    found <= truth && (truth - found) as f64 <= 0.01 * truth as f64,
-                    "{what}"
+                assert_within(
+                    &result,
+                    truth_with_overhead(capacity, overhead),
+                    0.01,
+                    &what,
                 );
                 assert!(result.settled && result.trials.len() <= 7, "{what}");
             }
@@ -1362,16 +1377,9 @@ mod tests {
                         ..SearchConfig::default()
                     };
                     let result = search(&config, filling(capacity, overhead, fill, resnet50));
-                    let truth = (1..1u64 << 16)
-                        .take_while(|b| resnet50(*b) as f64 * (1.0 + overhead) <= capacity as f64)
-                        .last()
-                        .unwrap();
-                    let found = result.max_fit.unwrap();
                     let what = format!("{capacity} B, {overhead} more, {fill} filled: {result:?}");
-                    assert!(
-                        found <= truth && (truth - found) as f64 <= 0.015 * truth as f64,
-                        "{what}"
-                    );
+                    let truth = truth_with_overhead(capacity, overhead);
+                    assert_within(&result, truth, 0.015, &what);
                     let most = if overhead == 0.32 && fill > 0.0 {
                         8
                     } else {
