@@ -240,6 +240,24 @@ def test_a_training_step_that_refuses_class_ids_gets_values_shaped_like_the_outp
     assert _same_state(before, _state(model))
 
 
+class BatchOnly(Classifier):
+    """`training_step(self, batch)`: the Trainer passes the index only where it is taken."""
+
+    def training_step(self, batch):
+        x, y = batch
+        self.seen.append((None, tuple(x.shape), x.dtype, tuple(y.shape), y.dtype))
+        return F.cross_entropy(self(x), y)
+
+
+def test_a_training_step_without_the_batch_index_is_called_without_it(trials):
+    model = BatchOnly()
+    ns = {"lit": model}
+    call(trials, ns, "prepare", spec={"kind": "module", "target": "lit", "input": [32]})
+    assert call(trials, ns, "set_loss", plan=CE)["target_values"] is False
+    assert call(trials, ns, "trial", batch=3, steps=2)["result"] == "ran"
+    call(trials, ns, "close")
+
+
 def test_a_pytorch_lightning_module_gets_its_trainers_step_too(trials):
     """`import pytorch_lightning as pl` (the package's older name, installed with it)."""
     pl = pytest.importorskip("pytorch_lightning")

@@ -1184,6 +1184,18 @@ def _lightning_training_step(model):
     return getattr(model, "training_step")
 
 
+def _takes_batch_idx(fn):
+    """Whether a training_step takes the batch's index after the batch: the Trainer passes it
+    only where it does (`def training_step(self, batch)` is Lightning too)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return (len([p for p in params if p.kind in positional]) >= 2
+            or any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params))
+
+
 def _forward_missing(torch, model):
     """Whether the module's class defines no forward of its own (Lightning's LitAutoEncoder:
     its training_step calls the layers), so that calling it raises."""
@@ -1303,6 +1315,9 @@ class ModuleStep:
                                 "training_step steps its optimizers itself through "
                                 "self.optimizers(), which only a Trainer provides. "
                                 f"{_lightning_hint(self.name)}")
+        # The batch's index, where training_step takes one.
+        self.step_index = ((0,) if self.lightning_step is not None
+                           and _takes_batch_idx(self.lightning_step) else ())
         # No forward to read an output from: training_step gets class 0 as each target.
         self.forwardless = self.lightning_step is not None and _forward_missing(torch, model)
         self.output_shape = None  # the selected output's at PROBE_BATCH (probe_output)
@@ -2133,7 +2148,7 @@ class ModuleStep:
                 m.__dict__["_trainer"] = None
             with warnings.catch_warnings(), self._autocast():
                 warnings.filterwarnings("ignore", r"You are trying to `self\.log\(\)`")
-                return self.lightning_step((x, y), 0)
+                return self.lightning_step((x, y), *self.step_index)
         finally:
             for m, trainer in zip(attached, trainers):
                 m.__dict__["_trainer"] = trainer
