@@ -339,6 +339,23 @@ def test_a_batch_the_training_step_cannot_take_is_explained(trials):
     assert _same_state(before, _state(model))
 
 
+class NeedsTrainer(Classifier):
+    def training_step(self, batch, batch_idx):
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])  # only a Trainer has them
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_training_step_that_reaches_the_trainer_is_told_so(trials):
+    ns = {"lit": NeedsTrainer()}
+    call(trials, ns, "prepare", spec={"kind": "module", "target": "lit", "input": [32]})
+    call(trials, ns, "set_loss", plan=CE)
+    result = call(trials, ns, "trial", batch=3, steps=2)
+    assert result["result"] == "error", result
+    assert result["error"]["hint"].startswith(
+        "lit.training_step ran without a Trainer, which it reaches. Write FN(batch_size)"), result
+    call(trials, ns, "close")
+
+
 def test_a_plain_module_with_a_training_step_method_keeps_the_standard_step(trials):
     """Only a LightningModule's training_step is its Trainer's step: a plain torch module's
     method of that name is the user's own, and not called."""

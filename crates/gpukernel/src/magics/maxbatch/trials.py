@@ -2769,9 +2769,13 @@ class Session:
                  and type(err).__module__.startswith("torch._dynamo"))
         error = {"ename": type(err).__name__, "evalue": str(err), "where": _where(err)}
         if getattr(self.step, "lightning_step", None) is not None:
-            error["hint"] = (f"{self.step.name}.training_step got the batch (input, target) "
-                             "that %maxbatch makes, the target as the loss inferred from the "
-                             f"forward's output takes it. {_lightning_hint(self.step.name)}")
+            # Lightning's words where a step reads self.trainer (self.lr_schedulers(), say).
+            needs = "not attached to a `Trainer`" in str(err)
+            got = ("ran without a Trainer, which it reaches" if needs else
+                   "got the batch (input, target) that %maxbatch makes, the target as the loss "
+                   "inferred from the forward's output takes it")
+            error["hint"] = (f"{self.step.name}.training_step {got}. "
+                             f"{_lightning_hint(self.step.name)}")
         return {"result": "error", "error": error}, retry
 
     def _clean_up(self, result, peaks):
