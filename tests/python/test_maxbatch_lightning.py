@@ -198,10 +198,16 @@ def test_an_optimizer_configure_optimizers_cannot_give_is_refused_with_what_to_d
 
 
 def test_an_optimizer_asked_for_is_taken_instead_of_configure_optimizers(trials):
-    ns = {"lit": Classifier(_needs_a_trainer)}
+    model = Classifier(_needs_a_trainer)
+    ns = {"lit": model}
     reply = call(trials, ns, "prepare", spec={"kind": "module", "target": "lit", "input": [32],
                                               "optimizer": "adam"})
     assert reply["describe"]["optimizer"] == "a new Adam (lr 1e-3)"
+    assert reply["describe"]["lightning"] is True  # still the Trainer's step, with this one
+    call(trials, ns, "set_loss", plan=CE)
+    model.seen.clear()
+    assert call(trials, ns, "trial", batch=3, steps=2)["result"] == "ran"
+    assert model.seen
     call(trials, ns, "close")
 
 
@@ -298,6 +304,7 @@ class DictBatchClassifier(Classifier):
 class DictLossClassifier(Classifier):
     def training_step(self, batch, batch_idx):
         x, y = batch
+        self.seen.append((None, tuple(x.shape), x.dtype, tuple(y.shape), y.dtype))
         logits = self(x)
         return {"loss": F.cross_entropy(logits, y), "logits": logits.detach()}
 
@@ -317,7 +324,9 @@ def test_a_training_step_that_returns_a_dict_is_trained_on_its_loss(trials):
     ns = {"lit": model}
     call(trials, ns, "prepare", spec={"kind": "module", "target": "lit", "input": [32]})
     call(trials, ns, "set_loss", plan=CE)
+    model.seen.clear()
     assert call(trials, ns, "trial", batch=3, steps=2)["result"] == "ran"
+    assert model.seen  # its own step ran, on its dict's loss
     call(trials, ns, "close")
     assert _same_state(before, _state(model))
 
@@ -354,6 +363,19 @@ def test_a_training_step_that_reaches_the_trainer_is_told_so(trials):
     assert result["error"]["hint"].startswith(
         "lit.training_step ran without a Trainer, which it reaches. Write FN(batch_size)"), result
     call(trials, ns, "close")
+
+
+def test_lightnings_own_demo_transformer_whose_forward_takes_two_inputs_is_refused(trials):
+    """A module not written here: Lightning's demo transformer, whose forward (its own, not
+    missing) takes the input and the target. Its forward is probed and refused as any such
+    forward is; taken for a missing one, it was trained on class ids it cannot take."""
+    from lightning.pytorch.demos import LightningTransformer
+
+    with torch.random.fork_rng():
+        model = LightningTransformer(vocab_size=100)
+    reply = call(trials, {"demo": model}, "prepare",
+                 spec={"kind": "module", "target": "demo", "input": [35]})
+    assert reply["refused"].startswith("demo.forward needs 2 arguments (inputs, target)"), reply
 
 
 def test_a_plain_module_with_a_training_step_method_keeps_the_standard_step(trials):

@@ -1173,11 +1173,17 @@ class _Watch:
 _LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning")
 
 
-def _lightning_training_step(model):
-    """The module's own `training_step`, where it is a LightningModule (of `lightning` or
-    `pytorch_lightning`) whose class defines one; else None."""
-    base = next((c for c in type(model).__mro__ if c.__name__ == "LightningModule"
+def _lightning_base(model):
+    """The LightningModule class (of `lightning` or `pytorch_lightning`) the module derives
+    from, or None."""
+    return next((c for c in type(model).__mro__ if c.__name__ == "LightningModule"
                  and c.__module__.split(".")[0] in _LIGHTNING_PACKAGES), None)
+
+
+def _lightning_training_step(model):
+    """The module's own `training_step`, where it is a LightningModule whose class defines
+    one; else None."""
+    base = _lightning_base(model)
     fn = getattr(type(model), "training_step", None)
     if base is None or fn is None or fn is getattr(base, "training_step", None):
         return None
@@ -1197,11 +1203,11 @@ def _takes_batch_idx(fn):
 
 
 def _forward_missing(torch, model):
-    """Whether the module's class defines no forward of its own (Lightning's LitAutoEncoder:
-    its training_step calls the layers), so that calling it raises."""
+    """Whether the module's class defines no forward of its own, only LightningModule's or
+    torch's, which raise (Lightning's LitAutoEncoder: its training_step calls the layers)."""
     forward = getattr(type(model), "forward", None)
-    return (forward is None or forward is torch.nn.Module.forward
-            or getattr(forward, "__module__", "").split(".")[0] in _LIGHTNING_PACKAGES)
+    base = _lightning_base(model)
+    return forward in (None, torch.nn.Module.forward, getattr(base, "forward", None))
 
 
 def _configured_optimizers(torch, conf, name):
@@ -1318,6 +1324,9 @@ class ModuleStep:
         # The batch's index, where training_step takes one.
         self.step_index = ((0,) if self.lightning_step is not None
                            and _takes_batch_idx(self.lightning_step) else ())
+        # The modules a Trainer's fit left attached to it (`_run_training_step`), found once.
+        self.attached = ([m for m in model.modules() if m.__dict__.get("_trainer") is not None]
+                         if self.lightning_step is not None else [])
         # No forward to read an output from: training_step gets class 0 as each target.
         self.forwardless = self.lightning_step is not None and _forward_missing(torch, model)
         self.output_shape = None  # the selected output's at PROBE_BATCH (probe_output)
@@ -2141,7 +2150,7 @@ class ModuleStep:
         """`training_step((x, y), 0)` under the step's autocast. A module a Trainer's fit left
         attached to it runs detached: outside the fit's loop `self.log` raises there, where
         detached it warns and returns (as in a test of the step), and that warning is quiet."""
-        attached = [m for m in self.model.modules() if m.__dict__.get("_trainer") is not None]
+        attached = self.attached
         trainers = [m.__dict__["_trainer"] for m in attached]
         try:
             for m in attached:
